@@ -1,0 +1,32 @@
+"""muon_optax: Muon (momentum orthogonalized by Newton–Schulz) as composable Optax transforms."""
+
+from muon_optax._alias import AuxAdam, muon, scale_by_muon
+from muon_optax._matrix_view import MatrixView, default_view, from_matrices, to_matrices
+from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
+from muon_optax._newton_schulz import PRESETS, newton_schulz, newton_schulz_flops
+from muon_optax._orthogonalize import orthogonalize
+from muon_optax._routing import DEFAULT_RULES, default_rule, describe, label_params
+from muon_optax._scaling import scale_by_shape
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuxAdam",
+    "DEFAULT_RULES",
+    "MatrixView",
+    "MuonMomentumState",
+    "PRESETS",
+    "default_rule",
+    "default_view",
+    "describe",
+    "from_matrices",
+    "label_params",
+    "muon",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "orthogonalize",
+    "scale_by_muon",
+    "scale_by_muon_momentum",
+    "scale_by_shape",
+    "to_matrices",
+]

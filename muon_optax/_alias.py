@@ -1,0 +1,161 @@
+"""The Muon chain and the `muon` alias: Muon for hidden matrices, AdamW for the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from muon_optax import _paths, _routing
+from muon_optax._matrix_view import ViewFn
+from muon_optax._momentum import scale_by_muon_momentum
+from muon_optax._newton_schulz import Schedule
+from muon_optax._orthogonalize import orthogonalize, view_fn
+from muon_optax._scaling import scale_by_shape
+
+ScalarOrSchedule = Union[ArrayLike, Callable[[ArrayLike], ArrayLike]]
+Mask = Union[None, Any, Callable[[Any], Any]]
+
+
+def scale_by_muon(
+    beta: ArrayLike = 0.95,
+    *,
+    nesterov: bool = True,
+    ns: Schedule = "jordan",
+    ns_steps: int = 5,
+    scale: Optional[str] = "jordan",
+    mu_dtype: Optional[Any] = None,
+    views: Optional[ViewFn] = None,
+    per_head: bool = False,
+    compute_dtype: Any = jnp.float32,
+) -> optax.GradientTransformation:
+  """The Muon direction without learning rate or weight decay:
+  momentum → Newton–Schulz orthogonalization → shape scaling.
+
+  Every leaf it sees must have a matrix view; route other leaves elsewhere
+  (see `muon`, which does that for you).
+
+  Example:
+    >>> import jax, optax, muon_optax as mo
+    >>> tx = optax.chain(mo.scale_by_muon(), optax.scale(-0.02))
+    >>> p = {"w": jax.random.normal(jax.random.key(0), (8, 16))}
+    >>> u, s = tx.update(p, tx.init(p))
+
+  References:
+    Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks".
+  """
+  return optax.chain(
+      scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
+      orthogonalize(ns, ns_steps, views=views, per_head=per_head, compute_dtype=compute_dtype),
+      scale_by_shape(scale, views=views, per_head=per_head),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxAdam:
+  """Settings of the AdamW branch that updates every non-Muon leaf.
+
+  They are its own: nothing is shared with the Muon branch unless you pass it here.
+  `mask` (a pytree of bools over the full params, or a callable) limits weight decay.
+  """
+
+  learning_rate: ScalarOrSchedule = 3e-4
+  b1: ArrayLike = 0.9
+  b2: ArrayLike = 0.999
+  eps: ArrayLike = 1e-8
+  weight_decay: ArrayLike = 0.0
+  mask: Mask = None
+  nesterov: bool = False
+  mu_dtype: Optional[Any] = None
+
+  def transform(self) -> optax.GradientTransformation:
+    return optax.adamw(
+        self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
+        weight_decay=self.weight_decay, mask=branch_mask(self.mask),
+        nesterov=self.nesterov, mu_dtype=self.mu_dtype)
+
+
+def branch_mask(mask: Mask) -> Mask:
+  """A mask over the full params, made usable inside an `optax.partition` branch,
+  whose params hold `optax.MaskedNode` where the leaf belongs to another branch."""
+  if mask is None or callable(mask):
+    return mask
+  return lambda params: jax.tree.map(
+      lambda m, p: p if _paths.is_masked(p) else m, mask, params, is_leaf=_paths.is_masked)
+
+
+def muon(
+    learning_rate: ScalarOrSchedule = 0.02,
+    *,
+    beta: ArrayLike = 0.95,
+    nesterov: bool = True,
+    ns: Schedule = "jordan",
+    ns_steps: int = 5,
+    scale: Optional[str] = "jordan",
+    weight_decay: ArrayLike = 0.0,
+    weight_decay_mask: Mask = None,
+    mu_dtype: Optional[Any] = None,
+    adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    labels: _routing.Labels = None,
+    views: Optional[ViewFn] = None,
+    per_head: bool = False,
+    compute_dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Muon for hidden weight matrices, AdamW for everything else, routed by tree path.
+
+  Muon leaves: p ← p − lr·(scale(shape)·NS(momentum) + weight_decay·p).
+  Other leaves: AdamW with the settings of `adam` (default `AuxAdam()`); leaves
+  labelled "frozen" get a zero update.
+
+  Args:
+    learning_rate: Muon's learning rate or schedule.
+    beta, nesterov, mu_dtype: momentum settings (see `scale_by_muon_momentum`).
+    ns, ns_steps: Newton–Schulz preset or (n, 3) schedule, and iterations.
+    scale: "jordan", "moonlight" or None (see `scale_by_shape`).
+    weight_decay, weight_decay_mask: decoupled weight decay of the Muon branch.
+    adam: `AuxAdam` settings, or any optax transform, for the non-Muon leaves.
+    labels: None (default rules), a list of rules, a callable params -> labels, or
+      a pytree of "muon" / "adam" / "frozen" strings. `describe` shows the result.
+    views, per_head: how leaves are seen as matrices (see `default_view`).
+    compute_dtype: dtype of the Newton–Schulz iteration.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`. Under `optax.inject_hyperparams`
+    pass `static_args=("ns_steps",)` (and any callable option such as `labels`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, muon_optax as mo
+    >>> params = {"embed": {"embedding": jnp.ones((10, 4))},
+    ...           "mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+    >>> tx = mo.muon(0.02, adam=mo.AuxAdam(learning_rate=3e-4))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+
+  References:
+    Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks".
+    Liu et al. 2025, "Muon is scalable for LLM training", arXiv 2502.16982.
+  """
+  views = view_fn(views, per_head)
+  muon_branch = optax.chain(
+      scale_by_muon(beta, nesterov=nesterov, ns=ns, ns_steps=ns_steps, scale=scale,
+                    mu_dtype=mu_dtype, views=views, compute_dtype=compute_dtype),
+      optax.add_decayed_weights(weight_decay, branch_mask(weight_decay_mask)),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+  adam = AuxAdam() if adam is None else adam
+  transforms = {
+      _routing.MUON: muon_branch,
+      _routing.ADAM: adam.transform() if isinstance(adam, AuxAdam) else adam,
+      _routing.FROZEN: optax.set_to_zero(),
+  }
+
+  def param_labels(params):
+    label_tree = _routing.resolve_labels(labels, params)
+    _routing.check_labels(label_tree, params, views, tuple(transforms))
+    return label_tree
+
+  return optax.partition(transforms, param_labels)

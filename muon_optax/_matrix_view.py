@@ -1,0 +1,79 @@
+"""Matrix views: how a Muon leaf of any rank is seen as a batch of (fan_in, fan_out) matrices."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class MatrixView(NamedTuple):
+  """Axis roles of one leaf: `batch` axes index independent matrices of shape
+  (prod(fan_in axes), prod(fan_out axes))."""
+
+  batch: tuple[int, ...]
+  fan_in: tuple[int, ...]
+  fan_out: tuple[int, ...]
+
+  def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int, int]:
+    """(number of matrices, fan_in, fan_out) for a leaf of logical `shape`."""
+    size = lambda axes: math.prod(shape[a] for a in axes)
+    return size(self.batch), size(self.fan_in), size(self.fan_out)
+
+  def describe(self, shape: Sequence[int]) -> str:
+    count, fan_in, fan_out = self.matrix_shape(shape)
+    return f"{count}×({fan_in}×{fan_out})" if self.batch else f"{fan_in}×{fan_out}"
+
+
+ViewFn = Callable[[str, tuple[int, ...]], Optional[MatrixView]]
+
+_CONV = re.compile(r"(?i)conv")
+_QKV = re.compile(r"(?:^|/)(query|key|value|q_proj|k_proj|v_proj)/kernel$")
+_ATTN_OUT = re.compile(r"(?:^|/)(attn|attention|self_attn|mha)\w*/(out|o_proj)/kernel$", re.I)
+
+
+def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -> Optional[MatrixView]:
+  """Matrix view of a leaf from its '/'-joined path and logical shape, or None.
+
+  - rank 2: (fan_in, fan_out), the Flax Dense/Linear layout;
+  - a path containing "conv": (..., in, out) with fan_in = prod of all but the last axis;
+  - attention q/k/v kernels (..., d_model, heads, head_dim) and out kernels
+    (..., heads, head_dim, d_model): whole projection, or one matrix per head;
+  - anything else of rank > 2: leading axes are stacked layers or experts (batch),
+    the last two are (fan_in, fan_out).
+  Leading axes before the layouts above are always batch axes (scan / vmap stacks).
+  """
+  rank = len(shape)
+  if rank < 2:
+    return None
+  lead = lambda k: tuple(range(rank - k))
+  if rank >= 3 and _QKV.search(path):
+    b = lead(3)
+    if per_head:
+      return MatrixView(b + (rank - 2,), (rank - 3,), (rank - 1,))
+    return MatrixView(b, (rank - 3,), (rank - 2, rank - 1))
+  if rank >= 3 and _ATTN_OUT.search(path):
+    b = lead(3)
+    if per_head:
+      return MatrixView(b + (rank - 3,), (rank - 2,), (rank - 1,))
+    return MatrixView(b, (rank - 3, rank - 2), (rank - 1,))
+  if rank >= 3 and _CONV.search(path):
+    return MatrixView((), tuple(range(rank - 1)), (rank - 1,))
+  return MatrixView(lead(2), (rank - 2,), (rank - 1,))
+
+
+def to_matrices(x: jax.Array, view: MatrixView) -> jax.Array:
+  """Leaf -> (count, fan_in, fan_out)."""
+  order = view.batch + view.fan_in + view.fan_out
+  return jnp.transpose(x, order).reshape(view.matrix_shape(x.shape))
+
+
+def from_matrices(m: jax.Array, view: MatrixView, shape: tuple[int, ...]) -> jax.Array:
+  """(count, fan_in, fan_out) -> leaf of `shape`; the inverse of `to_matrices`."""
+  order = view.batch + view.fan_in + view.fan_out
+  permuted = m.reshape(tuple(shape[a] for a in order))
+  inverse = sorted(range(len(order)), key=order.__getitem__)
+  return jnp.transpose(permuted, inverse)
