@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from muon_optax import _paths, _routing
+from muon_optax import _adam_backends, _paths, _routing
 from muon_optax._matrix_view import ViewFn
 from muon_optax._momentum import scale_by_muon_momentum
 from muon_optax._newton_schulz import Schedule
@@ -31,7 +31,7 @@ def scale_by_muon(
     mu_dtype: Optional[Any] = None,
     views: Optional[ViewFn] = None,
     per_head: bool = False,
-    compute_dtype: Any = jnp.float32,
+    compute_dtype: Any = "float32",
 ) -> optax.GradientTransformation:
   """The Muon direction without learning rate or weight decay:
   momentum → Newton–Schulz orthogonalization → shape scaling.
@@ -71,12 +71,13 @@ class AuxAdam:
   mask: Mask = None
   nesterov: bool = False
   mu_dtype: Optional[Any] = None
+  backend: str = "auto"  # "optax", "flat", "offload", "reference" or "auto"; see `adamw`.
 
   def transform(self) -> optax.GradientTransformation:
-    return optax.adamw(
+    return _adam_backends.adamw(
         self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
         weight_decay=self.weight_decay, mask=branch_mask(self.mask),
-        nesterov=self.nesterov, mu_dtype=self.mu_dtype)
+        nesterov=self.nesterov, mu_dtype=self.mu_dtype, backend=self.backend)
 
 
 def branch_mask(mask: Mask) -> Mask:
@@ -100,10 +101,12 @@ def muon(
     weight_decay_mask: Mask = None,
     mu_dtype: Optional[Any] = None,
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    adam_backend: Optional[str] = None,
+    offload_momentum: bool = False,
     labels: _routing.Labels = None,
     views: Optional[ViewFn] = None,
     per_head: bool = False,
-    compute_dtype: Any = jnp.float32,
+    compute_dtype: Any = "float32",
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden weight matrices, AdamW for everything else, routed by tree path.
 
@@ -118,6 +121,10 @@ def muon(
     scale: "jordan", "moonlight" or None (see `scale_by_shape`).
     weight_decay, weight_decay_mask: decoupled weight decay of the Muon branch.
     adam: `AuxAdam` settings, or any optax transform, for the non-Muon leaves.
+    adam_backend: overrides `adam.backend`: "optax", "flat", "offload", "reference"
+      or "auto" (see `adamw`; `convert_adam_state` moves a state between them).
+    offload_momentum: keep the Muon momentum in host memory between steps (see
+      `offload_state`); Newton–Schulz still sees whole matrices on the device.
     labels: None (default rules), a list of rules, a callable params -> labels, or
       a pytree of "muon" / "adam" / "frozen" strings. `describe` shows the result.
     views, per_head: how leaves are seen as matrices (see `default_view`).
@@ -146,7 +153,13 @@ def muon(
       optax.add_decayed_weights(weight_decay, branch_mask(weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),
   )
+  if offload_momentum:
+    muon_branch = _adam_backends.offload_state(muon_branch)
   adam = AuxAdam() if adam is None else adam
+  if adam_backend is not None:
+    if not isinstance(adam, AuxAdam):
+      raise ValueError("adam_backend= applies to AuxAdam settings, not to a custom adam transform.")
+    adam = dataclasses.replace(adam, backend=adam_backend)
   transforms = {
       _routing.MUON: muon_branch,
       _routing.ADAM: adam.transform() if isinstance(adam, AuxAdam) else adam,

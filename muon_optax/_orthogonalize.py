@@ -84,7 +84,7 @@ def orthogonalize(
     *,
     views: Optional[ViewFn] = None,
     per_head: bool = False,
-    compute_dtype: Any = jnp.float32,
+    compute_dtype: Any = "float32",
 ) -> optax.GradientTransformation:
   """Replaces each update by Newton–Schulz's orthogonalization of its matrix view.
 

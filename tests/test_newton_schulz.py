@@ -1,0 +1,129 @@
+"""newton_schulz against the SVD polar factor U Vᵀ, and its numerical guarantees."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import muon_optax as mo
+
+
+def polar(x):
+  u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
+  return u @ vt
+
+
+def singular_values(x):
+  return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
+
+
+def well_conditioned(key, shape):
+  """Random matrices whose singular values span [0.1, 1]: the regime Muon runs in."""
+  *batch, m, n = shape
+  k = min(m, n)
+  k1, k2 = jax.random.split(key)
+  u, _ = jnp.linalg.qr(jax.random.normal(k1, (*batch, m, k)))
+  v, _ = jnp.linalg.qr(jax.random.normal(k2, (*batch, n, k)))
+  s = jnp.linspace(0.1, 1.0, k)
+  return (u * s) @ jnp.swapaxes(v, -1, -2)
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (16, 48), (48, 16), (3, 16, 24)])
+def test_jordan_band_and_alignment_with_polar_factor(shape):
+  x = well_conditioned(jax.random.key(0), shape)
+  out = jax.jit(lambda x: mo.newton_schulz(x, ns="jordan", steps=5))(x)
+  assert out.shape == x.shape and out.dtype == x.dtype
+  for o, g in zip(np.reshape(out, (-1, *shape[-2:])), np.reshape(x, (-1, *shape[-2:]))):
+    s = singular_values(o)
+    assert s.min() > 0.6 and s.max() < 1.2, s
+    # Same singular vectors as U Vᵀ: the output is U diag(f(σ)) Vᵀ with f(σ) ≈ 1.
+    p = polar(g)
+    assert np.linalg.norm(o - p) / np.linalg.norm(p) < 0.35
+
+
+def test_polar_express_is_closer_to_polar_factor_than_jordan():
+  x = well_conditioned(jax.random.key(1), (64, 128))
+  p = polar(x)
+  err = {ns: np.linalg.norm(mo.newton_schulz(x, ns=ns, steps=5) - p) / np.linalg.norm(p)
+         for ns in ("jordan", "polar_express")}
+  assert err["polar_express"] < 0.5 * err["jordan"], err
+  s = {ns: singular_values(mo.newton_schulz(x, ns=ns, steps=5)) for ns in err}
+  assert s["polar_express"].min() > 0.85 and s["polar_express"].max() < 1.15, s
+  assert np.abs(s["polar_express"] - 1).max() < np.abs(s["jordan"] - 1).max()
+
+
+def test_polar_express_converges_with_more_steps():
+  x = well_conditioned(jax.random.key(2), (32, 64))
+  out = mo.newton_schulz(x, ns="polar_express", steps=10)
+  np.testing.assert_allclose(out, polar(x), atol=2e-3)
+
+
+def test_bfloat16_input_gives_bfloat16_output_in_band():
+  x = well_conditioned(jax.random.key(3), (32, 64)).astype(jnp.bfloat16)
+  out = jax.jit(lambda x: mo.newton_schulz(x, steps=5))(x)
+  assert out.dtype == jnp.bfloat16
+  s = singular_values(out.astype(jnp.float32))
+  assert s.min() > 0.6 and s.max() < 1.2, s
+
+
+@pytest.mark.parametrize("ns", ["jordan", "polar_express"])
+def test_scale_invariance_and_zero(ns):
+  x = jax.random.normal(jax.random.key(4), (24, 40))
+  f = jax.jit(lambda x: mo.newton_schulz(x, ns=ns, steps=5))
+  ref = f(x)
+  for k in (1e-30, 1e-20, 1e-8, 1e8, 1e20, 1e30):
+    out = f(x * k)
+    assert np.all(np.isfinite(out)), k
+    np.testing.assert_allclose(out, ref, atol=2e-5, err_msg=f"scale {k}")
+  zero = f(jnp.zeros((24, 40)))
+  assert np.array_equal(zero, np.zeros((24, 40)))
+
+
+def test_no_nan_on_degenerate_inputs():
+  f = jax.jit(lambda x: mo.newton_schulz(x, steps=5))
+  rank_one = jnp.outer(jnp.arange(1.0, 9.0), jnp.ones(16))
+  tiny = jnp.full((8, 16), np.finfo(np.float32).tiny)
+  huge = jnp.full((8, 16), np.finfo(np.float32).max)
+  for x in (rank_one, tiny, huge, jnp.eye(8, 16)):
+    assert np.all(np.isfinite(f(x)))
+
+
+def test_batched_equals_one_by_one():
+  x = jax.random.normal(jax.random.key(5), (4, 16, 24))
+  batched = mo.newton_schulz(x)
+  for i in range(4):
+    np.testing.assert_allclose(batched[i], mo.newton_schulz(x[i]), atol=1e-6)
+
+
+def test_custom_schedule_repeats_last_row_and_never_wraps():
+  rows = np.array([[3.0, -3.2, 1.2], [2.0, -1.5, 0.5]])
+  x = jax.random.normal(jax.random.key(6), (8, 16))
+  explicit = np.array([[3.0, -3.2, 1.2], [2.0, -1.5, 0.5], [2.0, -1.5, 0.5], [2.0, -1.5, 0.5]])
+  np.testing.assert_allclose(mo.newton_schulz(x, ns=rows, steps=4),
+                             mo.newton_schulz(x, ns=explicit, steps=4), atol=0)
+  # The last polar express row is used for every step past the table.
+  from muon_optax._newton_schulz import coefficient_schedule
+  table, _ = coefficient_schedule("polar_express", 12)
+  np.testing.assert_allclose(table[8:], [[1.875, -1.25, 0.375]] * 4)
+  assert not np.allclose(table[8], table[0])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("newton", "unknown Newton–Schulz preset"),
+    (np.ones((2, 2)), r"shape \(n, 3\)"),
+    (np.ones((0, 3)), r"shape \(n, 3\)"),
+    (np.array([[1.0, np.nan, 0.0]]), "finite"),
+    ("not a schedule", "unknown"),
+])
+def test_malformed_schedule_is_a_clear_error(bad, match):
+  with pytest.raises(ValueError, match=match):
+    mo.newton_schulz(jnp.ones((4, 4)), ns=bad)
+
+
+def test_bad_steps_and_inputs():
+  with pytest.raises(ValueError, match="ns_steps"):
+    mo.newton_schulz(jnp.ones((4, 4)), steps=0)
+  with pytest.raises(ValueError, match="floating"):
+    mo.newton_schulz(jnp.ones((4, 4), jnp.int32))
+  with pytest.raises(ValueError, match=r"\(\.\.\., m, n\)"):
+    mo.newton_schulz(jnp.ones(4))

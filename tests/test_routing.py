@@ -1,0 +1,193 @@
+"""Default routing and matrix views on real Flax models: every leaf's label asserted."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import muon_optax as mo
+from muon_optax._paths import leaves_with_path
+
+
+class Block(nnx.Module):
+  def __init__(self, d, heads, rngs):
+    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+    self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
+    self.proj = nnx.Linear(4 * d, d, rngs=rngs)
+
+
+class GPT(nnx.Module):
+  def __init__(self, vocab=64, d=16, heads=2, layers=2, seq=8, tied=False, *, rngs):
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+    self.pos_embed = nnx.Embed(seq, d, rngs=rngs)
+    self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
+    self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+    self.lm_head = None if tied else nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+
+
+def labels_by_path(params, **kw):
+  return dict(leaves_with_path(mo.label_params(params, **kw)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_nnx_gpt_routing(tied):
+  params = nnx.state(GPT(tied=tied, rngs=nnx.Rngs(0)), nnx.Param)
+  labels = labels_by_path(params)
+  expected = {"embed/embedding": "adam", "pos_embed/embedding": "adam",
+              "ln_f/scale": "adam", "ln_f/bias": "adam"}
+  if not tied:
+    expected["lm_head/kernel"] = "adam"
+  for i in range(2):
+    b = f"blocks/{i}"
+    for proj in ("query", "key", "value", "out"):
+      expected[f"{b}/attn/{proj}/kernel"] = "muon"
+      expected[f"{b}/attn/{proj}/bias"] = "adam"  # 2-D (heads, head_dim) biases too
+    for ln in ("ln1", "ln2"):
+      expected[f"{b}/{ln}/scale"] = expected[f"{b}/{ln}/bias"] = "adam"
+    for fc in ("fc", "proj"):
+      expected[f"{b}/{fc}/kernel"] = "muon"
+      expected[f"{b}/{fc}/bias"] = "adam"
+  assert labels == expected
+
+
+def test_attention_views_whole_and_per_head():
+  q = mo.default_view("blocks/0/attn/query/kernel", (16, 2, 8))
+  assert q.matrix_shape((16, 2, 8)) == (1, 16, 16)
+  q = mo.default_view("blocks/0/attn/query/kernel", (16, 2, 8), per_head=True)
+  assert q.matrix_shape((16, 2, 8)) == (2, 16, 8)
+  o = mo.default_view("blocks/0/attn/out/kernel", (2, 8, 16))
+  assert o.matrix_shape((2, 8, 16)) == (1, 16, 16)
+  o = mo.default_view("blocks/0/attn/out/kernel", (2, 8, 16), per_head=True)
+  assert o.matrix_shape((2, 8, 16)) == (2, 8, 16)
+  # Scanned attention: a leading layer axis is a batch axis.
+  assert mo.default_view("layers/attn/key/kernel", (4, 16, 2, 8)).matrix_shape(
+      (4, 16, 2, 8)) == (4, 16, 16)
+
+
+def test_view_round_trip_and_per_head_matrices_are_the_heads():
+  x = jax.random.normal(jax.random.key(0), (3, 16, 2, 8))
+  for per_head in (False, True):
+    view = mo.default_view("layers/attn/query/kernel", x.shape, per_head=per_head)
+    m = mo.to_matrices(x, view)
+    np.testing.assert_array_equal(mo.from_matrices(m, view, x.shape), x)
+  view = mo.default_view("attn/query/kernel", (16, 2, 8), per_head=True)
+  m = mo.to_matrices(x[0], view)
+  np.testing.assert_array_equal(m[1], x[0][:, 1, :])
+
+
+def test_per_head_orthogonalization_orthogonalizes_each_head():
+  x = {"attn": {"query": {"kernel": jax.random.normal(jax.random.key(1), (16, 2, 8))}}}
+  tx = mo.orthogonalize("polar_express", 10, per_head=True)
+  out, _ = tx.update(x, tx.init(x))
+  for h in range(2):
+    head = np.asarray(out["attn"]["query"]["kernel"][:, h, :], np.float64)
+    np.testing.assert_allclose(head.T @ head, np.eye(8), atol=1e-2)
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(8, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=True)(x)
+    x = nn.Conv(16, (3, 3))(x)
+    x = x.mean(axis=(1, 2))
+    x = nn.Dense(32)(x)
+    return nn.Dense(10, name="classifier")(x)
+
+
+def test_linen_cnn_routing_and_conv_views():
+  variables = CNN().init(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
+  labels = labels_by_path(variables["params"])
+  assert labels == {
+      "Conv_0/kernel": "muon", "Conv_0/bias": "adam",
+      "BatchNorm_0/scale": "adam", "BatchNorm_0/bias": "adam",
+      "Conv_1/kernel": "muon", "Conv_1/bias": "adam",
+      "Dense_0/kernel": "muon", "Dense_0/bias": "adam",
+      "classifier/kernel": "adam", "classifier/bias": "adam",
+  }
+  view = mo.default_view("Conv_1/kernel", (3, 3, 8, 16))
+  assert view.matrix_shape((3, 3, 8, 16)) == (1, 72, 16)
+
+
+class ScannedMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    class Body(nn.Module):
+      @nn.compact
+      def __call__(self, c, _):
+        return nn.Dense(16)(c), None
+
+    scanned = nn.scan(Body, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+    x, _ = scanned(name="layers")(x, None)
+    return x
+
+
+def test_scanned_linen_stack_is_batched():
+  params = ScannedMLP().init(jax.random.key(0), jnp.ones((2, 16)))["params"]
+  labels = labels_by_path(params)
+  assert labels == {"layers/Dense_0/kernel": "muon", "layers/Dense_0/bias": "adam"}
+  kernel = params["layers"]["Dense_0"]["kernel"]
+  assert kernel.shape == (4, 16, 16)
+  tx = mo.orthogonalize()
+  out, _ = tx.update(params, tx.init(params))
+  for i in range(4):
+    np.testing.assert_allclose(out["layers"]["Dense_0"]["kernel"][i],
+                               mo.newton_schulz(kernel[i]), atol=5e-6)
+
+
+def test_nnx_vmapped_stack_is_batched():
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(key):
+    return nnx.Linear(8, 24, rngs=nnx.Rngs(key))
+
+  stack = make(jax.random.split(jax.random.key(0), 3))
+  params = nnx.state(stack, nnx.Param)
+  assert labels_by_path(params) == {"kernel": "muon", "bias": "adam"}
+  assert "3×(8×24)" in mo.describe(params)
+
+
+def test_moe_expert_stack_routing_and_views():
+  params = {"moe": {"router": {"kernel": jnp.zeros((16, 4))},
+                    "experts": {"w_in": jnp.zeros((4, 16, 64)), "w_out": jnp.zeros((4, 64, 16))}}}
+  rules = [(r"router", "adam"), *mo.DEFAULT_RULES]
+  assert labels_by_path(params, rules=rules) == {
+      "moe/router/kernel": "adam", "moe/experts/w_in": "muon", "moe/experts/w_out": "muon"}
+  table = mo.describe(params, rules)
+  assert "4×(16×64)" in table and "4×(64×16)" in table
+
+
+def test_user_rules_first_match_wins_and_callable_labels():
+  params = {"a": {"kernel": jnp.zeros((4, 4))}, "b": {"kernel": jnp.zeros((4, 4))}}
+  assert labels_by_path(params, rules=[(r"^a/", "frozen"), (r".*", "muon")]) == {
+      "a/kernel": "frozen", "b/kernel": "muon"}
+  tx = mo.muon(0.1, labels=lambda p: jax.tree.map(lambda _: "adam", p))
+  u, _ = tx.update(params, tx.init(params), params)
+  adam = optax.adamw(3e-4)
+  ua, _ = adam.update(params, adam.init(params), params)
+  np.testing.assert_allclose(u["a"]["kernel"], ua["a"]["kernel"])
+
+
+def test_label_pytree_must_match_params():
+  params = {"a": {"kernel": jnp.zeros((4, 4))}}
+  with pytest.raises(ValueError, match="label tree does not match"):
+    mo.muon(labels={"b": "muon"}).init(params)
+
+
+def test_unplaced_leaf_under_default_rules_is_an_error():
+  with pytest.raises(ValueError, match="no routing rule places parameter 'mystery/table'"):
+    mo.label_params({"mystery": {"table": jnp.zeros((4, 4))}})
+
+
+def test_describe_lists_every_leaf_and_totals():
+  params = nnx.state(GPT(rngs=nnx.Rngs(0)), nnx.Param)
+  table = mo.describe(params)
+  for path, _ in leaves_with_path(params):
+    assert path in table
+  fc_flops = mo.newton_schulz_flops(16, 64, 5)
+  assert f"{fc_flops:,}" in table
+  assert "muon:" in table and "adam:" in table and "Newton–Schulz flops per step" in table
