@@ -1,10 +1,12 @@
 """muon_optax: Muon (momentum orthogonalized by Newton–Schulz) as composable Optax transforms."""
 
 from muon_optax._alias import AuxAdam, muon, scale_by_muon
+from muon_optax._attention import ClipAttention, head_max_logits, max_logit_attention, max_logits
 from muon_optax._matrix_view import MatrixView, default_view, from_matrices, to_matrices
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz import PRESETS, newton_schulz, newton_schulz_flops
 from muon_optax._orthogonalize import orthogonalize
+from muon_optax._qk_clip import qk_clip
 from muon_optax._routing import DEFAULT_RULES, default_rule, describe, label_params
 from muon_optax._scaling import scale_by_shape
 
@@ -12,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuxAdam",
+    "ClipAttention",
     "DEFAULT_RULES",
     "MatrixView",
     "MuonMomentumState",
@@ -20,11 +23,15 @@ __all__ = [
     "default_view",
     "describe",
     "from_matrices",
+    "head_max_logits",
     "label_params",
+    "max_logit_attention",
+    "max_logits",
     "muon",
     "newton_schulz",
     "newton_schulz_flops",
     "orthogonalize",
+    "qk_clip",
     "scale_by_muon",
     "scale_by_muon_momentum",
     "scale_by_shape",
