@@ -50,31 +50,40 @@ def _from_wide(stack: jax.Array, wide: _Wide, shape: tuple[int, ...]) -> jax.Arr
   return from_matrices(m, wide.view, shape)
 
 
-GroupFn = Callable[[jax.Array], jax.Array]
+# Orthogonalizes a list of wide (count, rows, cols) stacks, returning them in order.
+Solver = Callable[[list[jax.Array]], list[jax.Array]]
 
 
-def orthogonalize_leaves(updates: Any, views: ViewFn, group_fn: GroupFn) -> Any:
-  """Applies `group_fn` to one (count, rows, cols) stack per (rows, cols, dtype) group
-  and returns the updates with each Muon leaf replaced by its slice of the result."""
+def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array]) -> Solver:
+  """One `ns_fn` call per (rows, cols, dtype) group: same-shape matrices are
+  concatenated into a single batch, which equals orthogonalizing them one by one."""
+
+  def solve(stacks):
+    groups = {}
+    for i, s in enumerate(stacks):
+      groups.setdefault((*s.shape[1:], s.dtype), []).append(i)
+    out = [None] * len(stacks)
+    for members in groups.values():
+      batch = ns_fn(jnp.concatenate([stacks[i] for i in members]))
+      start = 0
+      for i in members:
+        out[i] = batch[start:start + stacks[i].shape[0]]
+        start += stacks[i].shape[0]
+    return out
+
+  return solve
+
+
+def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver) -> Any:
+  """Sees every Muon leaf as a stack of wide matrices, orthogonalizes all of them with
+  `solver`, and puts each result back in its leaf's layout."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_paths.is_masked)
-  wides, groups = {}, {}
-  for i, (path, leaf) in enumerate(flat):
-    if _paths.is_masked(leaf):
-      continue
-    wide = _to_wide(leaf, matrix_view_of(views, _paths.path_str(path), leaf))
-    wides[i] = wide
-    key = (*wide.stack.shape[1:], wide.stack.dtype)
-    groups.setdefault(key, []).append(i)
+  wides = {i: _to_wide(leaf, matrix_view_of(views, _paths.path_str(path), leaf))
+           for i, (path, leaf) in enumerate(flat) if not _paths.is_masked(leaf)}
+  results = solver([w.stack for w in wides.values()])
   out = [leaf for _, leaf in flat]
-  for members in groups.values():
-    stacked = jnp.concatenate([wides[i].stack for i in members]) if len(members) > 1 \
-        else wides[members[0]].stack
-    result = group_fn(stacked)
-    start = 0
-    for i in members:
-      count = wides[i].stack.shape[0]
-      out[i] = _from_wide(result[start:start + count], wides[i], flat[i][1].shape)
-      start += count
+  for (i, wide), result in zip(wides.items(), results):
+    out[i] = _from_wide(result, wide, flat[i][1].shape)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -110,10 +119,11 @@ def orthogonalize(
   """
   coefficient_schedule(ns, ns_steps)  # fail early on a bad schedule
   views = view_fn(views, per_head)
-  group_fn = lambda stack: newton_schulz(stack, ns=ns, steps=ns_steps, compute_dtype=compute_dtype)
+  ns_fn = lambda stack: newton_schulz(stack, ns=ns, steps=ns_steps, compute_dtype=compute_dtype)
+  solver = grouped_solver(ns_fn)
 
   def update_fn(updates, state, params=None):
     del params
-    return orthogonalize_leaves(updates, views, group_fn), state
+    return orthogonalize_leaves(updates, views, solver), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
