@@ -115,8 +115,10 @@ def qk_clip(
 
       W_q^h ← γ_h^α (W_q^h + u_q^h),   W_k^h ← γ_h^(1−α) (W_k^h + u_k^h),
 
-  i.e. u' = γ^e (p + u) − p; q/k biases, when present, scale with their kernels, so
-  every logit of head h scales by exactly γ_h and the max becomes τ. Heads with
+  i.e. u' = γ^e (p + u) − p. q/k biases, when present, scale with their kernels, so
+  every logit of head h scales by exactly γ_h: if S_h was measured on p + u, the new
+  max is τ. As in Kimi K2, S_h usually comes from this step's forward pass, on the
+  weights before the update, so the cap holds up to one step's growth. Heads with
   S_h ≤ τ keep their update bit for bit. Chain it last, after the optimizer.
 
   Max logits are passed as an extra argument, `update(..., max_logits=...)`: a mapping
@@ -167,9 +169,9 @@ def qk_clip(
     masked = {_paths.path_str(p) for p, x in flat if _paths.is_masked(x)}
     param_of = dict(_paths.leaves_with_path(params))
     found = _find_pairs(set(param_of), masked, pairs, alpha)
-    logits = collect_max_logits(max_logits)
     if not found:
       raise ValueError(f"qk_clip found no query/key kernel pair in params with rules {pairs}.")
+    logits = collect_max_logits(max_logits)
     for module in logits:
       if module not in found:
         raise ValueError(

@@ -244,6 +244,10 @@ def test_bad_inputs_name_the_problem():
   with pytest.raises(ValueError, match="needs params"):
     tx.update(params, state, max_logits={"attn": s})
 
+  mlp = {"mlp": {"kernel": np.ones((D, D), np.float32)}}
+  with pytest.raises(ValueError, match="found no query/key kernel pair"):
+    tx.update(mlp, state, mlp, max_logits={"attn": s})
+
   no_key = {"attn": {"query": params["attn"]["query"]}}
   with pytest.raises(ValueError, match="'attn/query/kernel' has no key kernel: 'attn/key/kernel'"):
     tx.update(no_key, state, no_key, max_logits={"attn": s})

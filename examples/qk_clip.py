@@ -1,0 +1,146 @@
+"""MuonClip on a small byte-level GPT: attention logits explode at a high Muon learning rate,
+and QK-clip (Kimi K2, arXiv 2507.20534) caps them at τ.
+
+Trains the same model twice on the bytes of the Python standard library's `.py` files, with
+the same seed and batches: once with `mo.muon`, once with `optax.chain(mo.muon(...),
+mo.qk_clip(tau))`. Each `mo.ClipAttention` sows its per-head max pre-softmax logit S_h; the
+step passes those to the optimizer. S_h is measured in the forward pass, before the
+update, so the clipped curve sits at τ plus at most one step's growth. Writes max-logit
+and loss curves to <out-dir>/qk_clip.png and prints both final losses.
+
+    python examples/qk_clip.py                 # ~2 min on 2 CPU cores
+    python examples/qk_clip.py --steps 600 --lr 0.08 --tau 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import optax
+from flax import nnx
+
+import muon_optax as mo
+from stdlib_text import VOCAB_SIZE, batches, eval_batches, load_splits
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+class Block(nnx.Module):
+  def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+    self.attn = mo.ClipAttention(heads, d, use_bias=False, rngs=rngs)  # sows max_logits
+    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+    self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
+    self.proj = nnx.Linear(4 * d, d, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln1(x))
+    return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+  def __init__(self, d: int, heads: int, layers: int, seq_len: int, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(VOCAB_SIZE, d, rngs=rngs)
+    self.pos_embed = nnx.Embed(seq_len, d, rngs=rngs)
+    self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
+    self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+    self.lm_head = nnx.Linear(d, VOCAB_SIZE, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))
+    for block in self.blocks:
+      x = block(x)
+    return self.lm_head(self.ln_f(x))
+
+
+def loss_and_max_logits(model, batch):
+  logits, inter = nnx.capture(model, nnx.Intermediate)(batch[:, :-1])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+  return loss, mo.max_logits(inter)  # {"blocks/0/attn": (heads,), ...}
+
+
+@nnx.jit
+def train_step(model, optimizer, batch):
+  (loss, max_logits), grads = nnx.value_and_grad(loss_and_max_logits, has_aux=True)(model, batch)
+  optimizer.update(model, grads, max_logits=max_logits)  # plain Muon ignores max_logits
+  return loss, jnp.max(jnp.stack(list(max_logits.values())))
+
+
+@nnx.jit
+def eval_loss(model, batch):
+  return loss_and_max_logits(model, batch)[0]
+
+
+def train(args, tx, train_data, val_batches, label):
+  model = GPT(args.d_model, args.heads, args.layers, args.seq_len, nnx.Rngs(args.seed))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  data = batches(train_data, args.batch, args.seq_len, seed=args.seed)
+  losses, max_logits = [], []
+  start = time.perf_counter()
+  for step in range(args.steps):
+    loss, s = train_step(model, optimizer, next(data))
+    losses.append(float(loss))
+    max_logits.append(float(s))
+    if step % 50 == 0 or step == args.steps - 1:
+      print(f"  {label:>9} step {step:4d}  loss {losses[-1]:.3f}  max logit {max_logits[-1]:9.1f}")
+  val = float(np.mean([eval_loss(model, b) for b in val_batches]))
+  print(f"  {label:>9}: {time.perf_counter() - start:.0f} s")
+  return np.array(losses), np.array(max_logits), val
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--lr", type=float, default=0.1, help="Muon learning rate (high on purpose)")
+  p.add_argument("--adam-lr", type=float, default=3e-3)
+  p.add_argument("--tau", type=float, default=100.0, help="QK-clip cap (Kimi K2: 100)")
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--seq-len", type=int, default=64)
+  p.add_argument("--d-model", type=int, default=64)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("runs/qk_clip"))
+  args = p.parse_args()
+
+  train_split, val_split = load_splits(max_bytes=4_000_000)
+  val_batches = eval_batches(val_split.data, args.batch, args.seq_len, count=8)
+  muon = lambda: mo.muon(args.lr, adam=mo.AuxAdam(learning_rate=args.adam_lr))
+  print(f"Muon lr {args.lr}, τ = {args.tau}, {args.steps} steps on {jax.devices()[0].platform}")
+  runs = {
+      "Muon": train(args, muon(), train_split.data, val_batches, "Muon"),
+      "MuonClip": train(args, optax.chain(muon(), mo.qk_clip(args.tau)),
+                        train_split.data, val_batches, "MuonClip"),
+  }
+
+  args.out_dir.mkdir(parents=True, exist_ok=True)
+  fig, (ax_s, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
+  for name, (losses, max_logits, _) in runs.items():
+    ax_s.plot(max_logits, label=name)
+    ax_l.plot(losses, label=name, alpha=0.8)
+  ax_s.axhline(args.tau, color="gray", ls="--", lw=1, label=f"τ = {args.tau:g}")
+  ax_s.set(yscale="log", xlabel="step", ylabel="max pre-softmax logit (all heads)",
+           title=f"Max attention logit, Muon lr {args.lr:g}")
+  ax_l.set(xlabel="step", ylabel="train loss (nats/byte)", title="Training loss")
+  for ax in (ax_s, ax_l):
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(args.out_dir / "qk_clip.png", dpi=120)
+
+  print(f"\n{'':9}  {'max logit (peak)':>16}  {'final max logit':>15}  {'final train loss':>16}  "
+        f"{'val loss':>8}")
+  for name, (losses, max_logits, val) in runs.items():
+    print(f"{name:9}  {max_logits.max():16.1f}  {max_logits[-1]:15.1f}  "
+          f"{losses[-20:].mean():16.3f}  {val:8.3f}")
+  print(f"\nwrote {args.out_dir / 'qk_clip.png'}")
+
+
+if __name__ == "__main__":
+  main()
