@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -116,7 +117,7 @@ class ClipAttention(nnx.MultiHeadAttention):
 
   def __init__(self, num_heads: int, in_features: int, *, rngs: nnx.Rngs,
                axis_name: Optional[str] = None, **kwargs: Any):
-    fn = lambda *a, **kw: max_logit_attention(*a, **kw, axis_name=axis_name)
+    fn = functools.partial(max_logit_attention, axis_name=axis_name)
     super().__init__(num_heads, in_features, attention_fn=fn, decode=False, rngs=rngs, **kwargs)
 
   def __call__(self, x: jax.Array, *, mask: Optional[jax.Array] = None, **kwargs: Any) -> jax.Array:
