@@ -1,0 +1,181 @@
+"""Gram-space Newton–Schulz: same polynomial as the standard iteration, fewer flops."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import muon_optax as mo
+from muon_optax._newton_schulz import (
+    GRAM_MIN_ASPECT, coefficient_schedule, gram_newton_schulz_flops, use_gram)
+
+PRESETS = ("jordan", "polar_express")
+# Normalized input singular values at or above `floor` land in [low, high] after 5 steps
+# (the scalar map σ ← aσ + bσ³ + cσ⁵ composed 5 times, evaluated in float64).
+BANDS = {"jordan": (3e-3, 0.68, 1.21), "polar_express": (1e-3, 0.84, 1.13)}
+
+
+def with_spectrum(shape, low, seed):
+  """A float32 matrix with singular values log-spaced from 1 down to `low`."""
+  rng = np.random.default_rng(seed)
+  m, n = shape
+  k = min(m, n)
+  u, _ = np.linalg.qr(rng.standard_normal((m, k)))
+  v, _ = np.linalg.qr(rng.standard_normal((n, k)))
+  return jnp.asarray((u * np.logspace(0, np.log10(low), k)) @ v.T, jnp.float32)
+
+
+def inputs(shape=(32, 128)):
+  return {"random": jax.random.normal(jax.random.key(0), shape),
+          "ill-conditioned": with_spectrum(shape, 1e-6, seed=1)}
+
+
+@functools.lru_cache(maxsize=None)
+def ns_fn(ns, gram, compute_dtype="float32"):
+  """One jitted function per setting, shared by the tests (compiling dominates their time)."""
+  return jax.jit(lambda x: mo.newton_schulz(x, ns=ns, steps=5, gram=gram,
+                                            compute_dtype=compute_dtype))
+
+
+def reference(x, ns):
+  """The same polynomial in float64 numpy (wide orientation)."""
+  coeffs, safety = coefficient_schedule(ns, 5)
+  x = np.asarray(x, np.float64)
+  tall = x.shape[0] > x.shape[1]
+  x = x.T if tall else x
+  x = x / (np.linalg.norm(x) * safety)
+  for a, b, c in coeffs:
+    g = x @ x.T
+    x = a * x + (b * g + c * g @ g) @ x
+  return x.T if tall else x
+
+
+def rel(a, b):
+  return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+
+def singular_values(x):
+  return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
+
+
+@pytest.mark.parametrize("ns", PRESETS)
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32)])
+def test_gram_equals_standard_in_float32(ns, shape):
+  for name, x in inputs(shape).items():
+    standard, gram = ns_fn(ns, gram=False)(x), ns_fn(ns, gram=True)(x)
+    np.testing.assert_allclose(gram, standard, rtol=0, atol=1e-5, err_msg=name)
+    # Both are float32 evaluations of one polynomial; neither is much further from it.
+    exact = reference(x, ns)
+    assert rel(gram, exact) < max(2 * rel(standard, exact), 1e-5), name
+
+
+def test_gram_batched_equals_one_by_one():
+  x = jax.random.normal(jax.random.key(2), (3, 16, 64))
+  batched = ns_fn("polar_express", gram=True)(x)
+  for i in range(3):
+    np.testing.assert_allclose(batched[i], ns_fn("polar_express", gram=True)(x[i]), atol=1e-6)
+
+
+@pytest.mark.parametrize("ns", PRESETS)
+def test_bands_hold_for_gram_in_float32_and_bfloat16(ns):
+  floor, low, high = BANDS[ns]
+  for name, x in inputs().items():
+    s_in = singular_values(x)
+    lifted = s_in / np.linalg.norm(s_in) >= floor
+    for dtype, slack in (("float32", 1e-3), ("bfloat16", 0.03)):
+      s = singular_values(ns_fn(ns, gram=True, compute_dtype=dtype)(x))
+      assert s[lifted].min() > low - slack and s.max() < high + slack, (name, dtype, s)
+
+
+@pytest.mark.parametrize("ns", PRESETS)
+def test_bfloat16_gram_within_documented_tolerance(ns):
+  # Documented: bfloat16 operands move entries by up to ~2e-2 (32×128) from the float32
+  # result, for either variant; Gram stays within 2.5× of the standard bfloat16 error.
+  for name, x in inputs().items():
+    exact = reference(x, ns)
+    standard16 = ns_fn(ns, gram=False, compute_dtype="bfloat16")(x)
+    gram16 = ns_fn(ns, gram=True, compute_dtype="bfloat16")(x)
+    assert gram16.dtype == jnp.float32
+    np.testing.assert_allclose(gram16, ns_fn(ns, gram=False)(x), atol=3e-2, err_msg=name)
+    assert rel(gram16, exact) < 2.5 * rel(standard16, exact) + 1e-3, name
+
+
+def test_bfloat16_input_keeps_its_dtype_and_band():
+  x = jax.random.normal(jax.random.key(3), (32, 128)).astype(jnp.bfloat16)
+  out = ns_fn("jordan", gram=True)(x)
+  assert out.dtype == jnp.bfloat16
+  s = singular_values(out.astype(jnp.float32))
+  assert s.min() > 0.66 and s.max() < 1.23, s
+
+
+@pytest.mark.parametrize("ns", PRESETS)
+def test_gram_zero_scale_invariance_and_no_nan(ns):
+  f = ns_fn(ns, gram=True)
+  x = jax.random.normal(jax.random.key(4), (2, 12, 48))
+  ref = f(x)
+  for k in (1e-30, 1e-20, 1e-8, 1e8, 1e20, 1e30):
+    out = f(x * k)
+    assert np.all(np.isfinite(out)), k
+    np.testing.assert_allclose(out, ref, atol=2e-5, err_msg=f"scale {k}")
+  assert np.array_equal(f(jnp.zeros((2, 12, 48))), np.zeros((2, 12, 48)))
+  finfo = np.finfo(np.float32)
+  for degenerate in (jnp.outer(jnp.arange(1.0, 13.0), jnp.ones(48)),  # rank one
+                     jnp.full((12, 48), finfo.tiny), jnp.full((12, 48), finfo.max),
+                     jnp.eye(12, 48)):
+    assert np.all(np.isfinite(f(degenerate)))
+
+
+def compiled_flops(fn, x):
+  analysis = jax.jit(fn).lower(x).compile().cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+  return analysis["flops"]
+
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (4, 32, 96)])
+def test_compiled_flops_gram_cheaper_at_wide_aspect(shape):
+  x = jnp.ones(shape, jnp.float32)
+  count = int(np.prod(shape[:-2]))
+  standard = compiled_flops(lambda x: mo.newton_schulz(x, gram=False), x)
+  gram = compiled_flops(lambda x: mo.newton_schulz(x, gram=True), x)
+  auto = compiled_flops(lambda x: mo.newton_schulz(x), x)
+  assert gram < 0.85 * standard and auto == gram, (gram, standard, auto)
+  # The matmul counts account for what XLA compiles, up to elementwise work.
+  for measured, formula in ((standard, mo.newton_schulz_flops(*shape[-2:], 5, gram=False)),
+                            (gram, gram_newton_schulz_flops(*shape[-2:], 5))):
+    assert 1.0 <= measured / (count * formula) < 1.1, (measured, formula)
+
+
+def test_compiled_flops_square_stays_standard():
+  x = jnp.ones((32, 32), jnp.float32)
+  auto = compiled_flops(lambda x: mo.newton_schulz(x), x)
+  assert auto == compiled_flops(lambda x: mo.newton_schulz(x, gram=False), x)
+  assert auto < compiled_flops(lambda x: mo.newton_schulz(x, gram=True), x)
+
+
+def test_flop_formulas_and_automatic_rule():
+  m, n = 768, 3072
+  # 5 steps, restarts before steps 2 and 4: 12 m²n + 22 m³, against 20 m²n + 10 m³.
+  assert gram_newton_schulz_flops(m, n, 5) == 12 * m * m * n + 22 * m**3
+  assert mo.newton_schulz_flops(m, n, 5, gram=False) == 20 * m * m * n + 10 * m**3
+  assert mo.newton_schulz_flops(n, m, 5) == gram_newton_schulz_flops(m, n, 5)
+  for steps in (1, 2, 3, 5, 8):
+    for ratio in (1, 1.5, 2, 3, 4, 8):
+      g = gram_newton_schulz_flops(64, int(64 * ratio), steps)
+      s = mo.newton_schulz_flops(64, int(64 * ratio), steps, gram=False)
+      assert (g < s) == (ratio > 1.5 and steps >= 2), (steps, ratio, g, s)
+  assert use_gram(768, 768 * GRAM_MIN_ASPECT, 5) and not use_gram(768, 2000, 5)
+  assert not use_gram(768, 3072, 1)
+  assert not use_gram(768, 3072, 5, compute_dtype="bfloat16")
+  assert use_gram(768, 768, 5, gram=True) and not use_gram(768, 3072, 5, gram=False)
+
+
+def test_bad_gram_and_compute_dtype_are_clear_errors():
+  x = jnp.ones((4, 16))
+  with pytest.raises(ValueError, match="gram must be True, False or None"):
+    mo.newton_schulz(x, gram="yes")
+  with pytest.raises(ValueError, match="compute_dtype"):
+    mo.newton_schulz(x, compute_dtype="int32")
+  with pytest.raises(ValueError, match="compute_dtype"):
+    mo.newton_schulz(x, compute_dtype="not-a-dtype")
