@@ -1,0 +1,336 @@
+"""Train a small GPT on the bytes of the Python standard library's source code, with Muon.
+
+    python examples/train_gpt.py                    # Muon for hidden matrices, AdamW for the rest
+    python examples/train_gpt.py --optimizer adamw  # the all-AdamW baseline
+    python examples/train_gpt.py --devices 4        # data parallel over 4 (simulated CPU) devices
+    python examples/train_gpt.py --describe         # print the routing table and exit
+
+The default configuration is sized to finish in a few minutes on a 2-core CPU. It writes
+`loss.png` (train and validation curves) and `run.json` (config, curves, final numbers,
+machine) to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+from typing import Any, Callable, Optional
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Everything that defines one run; every field is a command-line flag."""
+
+  optimizer: str = "muon"        # "muon" (+ AdamW for non-matrix leaves) or "adamw"
+  steps: int = 400
+  d_model: int = 64
+  layers: int = 2
+  heads: int = 4
+  seq_len: int = 64
+  batch: int = 32
+  lr: float = 0.02               # Muon's peak learning rate (hidden matrices)
+  adam_lr: float = 3e-3          # AdamW's peak learning rate (Muon's aux branch, or everything)
+  weight_decay: float = 0.0      # decoupled, on hidden matrices only, both optimizers
+  warmup: float = 0.05           # fraction of steps of linear warmup, then cosine decay to 10%
+  seed: int = 0                  # model init and data order
+  eval_every: int = 100
+  eval_batches: int = 8
+  devices: int = 1
+  data_root: str = ""            # a directory of .py files; "" = this Python's stdlib
+  tie_embeddings: bool = False
+  out_dir: str = "runs/train_gpt"
+  # Checkpointing will add `checkpoint_dir` / `resume` here: `train` already starts
+  # from `start_step` and draws batch i from (seed, i) alone, so a restore of model and
+  # optimizer state plus the step is all a resume needs.
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
+  """Flags -> (TrainConfig, the other options)."""
+  defaults = TrainConfig()
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--optimizer", choices=("muon", "adamw"), default=defaults.optimizer)
+  for field in dataclasses.fields(TrainConfig):
+    if field.name == "optimizer":
+      continue
+    flag = "--" + field.name.replace("_", "-")
+    if field.type == "bool":
+      p.add_argument(flag, action="store_true")
+    else:
+      p.add_argument(flag, type=type(getattr(defaults, field.name)),
+                     default=getattr(defaults, field.name))
+  p.add_argument("--describe", action="store_true",
+                 help="print the model's optimizer routing table and exit")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  args = p.parse_args(argv)
+  cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+  return cfg, args
+
+
+def _force_host_devices(argv: list[str]) -> None:
+  """Simulates --devices N CPU devices. XLA reads the flag once, when jax is imported."""
+  cfg, _ = parse_args(argv)
+  if cfg.devices > 1 and "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={cfg.devices}").strip()
+
+
+if __name__ == "__main__":
+  _force_host_devices(sys.argv[1:])
+
+import jax  # noqa: E402  (after the XLA flags above)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import muon_optax as mo  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import stdlib_text  # noqa: E402
+from gpt import GPT, GPTConfig, loss_fn, num_params  # noqa: E402
+
+
+def lr_schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
+  """Linear warmup from 0 over `cfg.warmup` of the steps, then cosine decay to 10% of peak."""
+  warmup = max(1, int(cfg.warmup * cfg.steps))
+  return optax.warmup_cosine_decay_schedule(
+      0.0, peak, warmup, max(cfg.steps, warmup + 1), end_value=0.1 * peak)
+
+
+def make_model(cfg: TrainConfig) -> GPT:
+  return GPT(GPTConfig(seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers,
+                       heads=cfg.heads, tie_embeddings=cfg.tie_embeddings),
+             rngs=nnx.Rngs(cfg.seed))
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """Muon (+ aux AdamW) or AdamW, both clipped and both on a warmup+cosine schedule.
+
+  Weight decay is applied to the hidden matrices only (those `mo.label_params` sends to
+  Muon), so both optimizers decay the same parameters.
+  """
+  hidden = lambda params: jax.tree.map(lambda l: l == "muon", mo.label_params(params))
+  adam_lr = lr_schedule(cfg.adam_lr, cfg)
+  if cfg.optimizer == "muon":
+    tx = mo.muon(lr_schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay,
+                 adam=mo.AuxAdam(learning_rate=adam_lr, b1=0.9, b2=0.95))
+  elif cfg.optimizer == "adamw":
+    tx = optax.adamw(adam_lr, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=hidden)
+  else:
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use 'muon' or 'adamw'.")
+  return optax.chain(optax.clip_by_global_norm(1.0), tx)
+
+
+def newton_schulz_flops_per_step(params: Any, ns_steps: int = 5) -> int:
+  """Newton–Schulz flops of one Muon update: the sum over leaves labelled "muon"."""
+  total = 0
+  for (path, leaf), label in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                 jax.tree.leaves(mo.label_params(params))):
+    if label == "muon":
+      name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+      count, m, n = mo.default_view(name, leaf.shape).matrix_shape(leaf.shape)
+      total += count * mo.newton_schulz_flops(m, n, ns_steps)
+  return total
+
+
+def data_mesh(devices: int) -> Optional[jax.sharding.Mesh]:
+  """A 1-D "data" mesh over the first `devices` devices, or None for one device."""
+  if devices <= 1:
+    return None
+  if jax.device_count() < devices:
+    raise ValueError(
+        f"--devices {devices} but jax sees {jax.device_count()} device(s). Run this file "
+        "as a script (it sets XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+        "importing jax), or set that flag yourself before jax is imported.")
+  # Auto axes: XLA propagates the batch sharding through the model. (On an Explicit
+  # mesh nnx.Embed's gather needs an out_sharding it does not yet take.)
+  return jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:devices])
+
+
+def place_data_parallel(mesh: Optional[jax.sharding.Mesh], *modules: nnx.Module
+                        ) -> Callable[[np.ndarray], jax.Array]:
+  """Replicates the modules' state over `mesh` and returns the function that puts a
+  host batch on the devices, split along "data"; XLA inserts the gradient all-reduce.
+  Without a mesh, batches simply go to the default device."""
+  if mesh is None:
+    return jnp.asarray
+  replicated = NamedSharding(mesh, P())
+  for module in modules:
+    nnx.update(module, jax.device_put(nnx.state(module), replicated))
+  return lambda batch: jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+
+def machine_info() -> dict[str, Any]:
+  return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+          "cpu_count": os.cpu_count(), "python": platform.python_version(),
+          "jax": jax.__version__, "backend": jax.default_backend(),
+          "devices": [str(d) for d in jax.devices()]}
+
+
+def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
+          progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Trains one model; returns the run record (config, curves, final numbers, timings)."""
+  t_start = time.perf_counter()
+  mesh = data_mesh(cfg.devices)
+  if cfg.batch % cfg.devices:
+    raise ValueError(f"--batch {cfg.batch} must be a multiple of --devices {cfg.devices}.")
+  model = make_model(cfg)
+  optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+  shard = place_data_parallel(mesh, model, optimizer)
+
+  @nnx.jit
+  def train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  # cached_partial skips re-walking the model and optimizer graphs on every call, a
+  # large share of the step time for a model this small.
+  step_fn = nnx.cached_partial(train_step, model, optimizer)
+  eval_step = nnx.jit(loss_fn)
+  val_set = [shard(b) for b in stdlib_text.eval_batches(
+      val_data, cfg.batch, cfg.seq_len, cfg.eval_batches, seed=10_000 + cfg.seed)]
+  evaluate = lambda: float(np.mean([eval_step(model, b) for b in val_set]))
+  params = nnx.state(model, nnx.Param)
+  n_params = num_params(model)
+  tokens_per_step = cfg.batch * cfg.seq_len
+  show_lr = lr_schedule(cfg.lr if cfg.optimizer == "muon" else cfg.adam_lr, cfg)
+
+  start_step = 0  # a resume would restore model, optimizer and this step
+  data = stdlib_text.batches(train_data, cfg.batch, cfg.seq_len, cfg.seed, start_step=start_step)
+  train_losses: list[float] = []
+  val_curve: list[tuple[int, float]] = []
+  pending: list[jax.Array] = []  # losses not yet fetched: fetching every step would sync
+  compile_s, t_loop, t_log, tokens_since, eval_s = None, None, None, 0, 0.0
+  bar = tqdm(range(start_step, cfg.steps), desc=cfg.optimizer, disable=not progress,
+             dynamic_ncols=True)
+  for step in bar:
+    t0 = time.perf_counter()
+    pending.append(step_fn(shard(next(data))))
+    if compile_s is None:
+      pending[-1].block_until_ready()
+      compile_s = time.perf_counter() - t0
+      t_loop = t_log = time.perf_counter()
+    else:
+      tokens_since += tokens_per_step
+    last = step + 1 == cfg.steps
+    evaluate_now = (step + 1) % cfg.eval_every == 0 or last
+    if (step + 1) % 10 == 0 or evaluate_now:
+      train_losses += [float(x) for x in pending]
+      pending.clear()
+      now = time.perf_counter()
+      tok_s = tokens_since / max(now - t_log, 1e-9)
+      t_log, tokens_since = now, 0
+      bar.set_postfix(loss=f"{train_losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}",
+                      lr=f"{float(show_lr(step)):.2e}")
+    if evaluate_now:
+      t_eval = time.perf_counter()
+      val_curve.append((step + 1, evaluate()))
+      t_log = time.perf_counter()  # tokens/s counts training only
+      eval_s += t_log - t_eval
+      log(f"step {step + 1:>6}  train {np.mean(train_losses[-10:]):.4f}  "
+          f"val {val_curve[-1][1]:.4f}")
+  bar.close()
+  t_end = time.perf_counter()
+  steady_steps = cfg.steps - start_step - 1
+  tail = train_losses[-min(20, len(train_losses)):]
+  return {
+      "optimizer": cfg.optimizer,
+      "config": dataclasses.asdict(cfg),
+      "params": n_params,
+      "ns_flops_per_step": newton_schulz_flops_per_step(params) if cfg.optimizer == "muon" else 0,
+      "train_flops_per_step": 6 * n_params * tokens_per_step,
+      "steps": cfg.steps,
+      "tokens": cfg.steps * tokens_per_step,
+      "train_loss": train_losses,
+      "val_loss": val_curve,
+      "final_train_loss": float(np.mean(tail)),
+      "final_val_loss": val_curve[-1][1],
+      "best_val_loss": min(v for _, v in val_curve),
+      "time_s": t_end - t_start,
+      "compile_s": compile_s,
+      "eval_s": eval_s,
+      "tokens_per_s": steady_steps * tokens_per_step / max(t_end - t_loop - eval_s, 1e-9),
+      "machine": machine_info(),
+  }
+
+
+def plot_runs(records: list[dict[str, Any]], path: pathlib.Path, title: str = "") -> None:
+  """Train (thin, smoothed) and validation (markers) loss curves of one or more runs."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for i, r in enumerate(records):
+    color = f"C{i}"
+    label = r.get("label", r["optimizer"])
+    loss = np.asarray(r["train_loss"])
+    k = max(1, min(20, len(loss) // 10))
+    smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
+    ax.plot(np.arange(k, len(loss) + 1), smooth, color=color, lw=1, alpha=0.6,
+            label=f"{label} train")
+    steps, val = zip(*r["val_loss"])
+    ax.plot(steps, val, "o-", color=color, ms=3, label=f"{label} val")
+  ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title=title)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def summary_table(records: list[dict[str, Any]]) -> str:
+  """One row per run: optimizer, steps, tokens, final train/val loss, time."""
+  header = ("optimizer", "steps", "tokens", "train loss", "val loss", "time (s)")
+  rows = [(r.get("label", r["optimizer"]), str(r["steps"]), f"{r['tokens']:,}",
+           f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}", f"{r['time_s']:.1f}")
+          for r in records]
+  widths = [max(len(x[i]) for x in rows + [header]) for i in range(len(header))]
+  fmt = lambda row: "  ".join(c.rjust(w) if i else c.ljust(w)
+                              for i, (c, w) in enumerate(zip(row, widths)))
+  return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+  """Runs the command line; returns the run record (also written to --out-dir/run.json)."""
+  t0 = time.perf_counter()
+  cfg, args = parse_args(argv)
+  model = make_model(cfg)
+  if cfg.optimizer == "muon" or args.describe:
+    print(mo.describe(nnx.state(model, nnx.Param)))
+  if args.describe:
+    return {}
+  train_split, val_split = stdlib_text.load_splits(cfg.data_root or None)
+  print(f"data: {len(train_split.files)} train files ({len(train_split.data):,} bytes), "
+        f"{len(val_split.files)} validation files ({len(val_split.data):,} bytes) from "
+        f"{cfg.data_root or stdlib_text.stdlib_root()}")
+  print(f"model: {num_params(model):,} parameters; {cfg.optimizer}; "
+        f"{jax.default_backend()} × {cfg.devices}")
+  record = train(cfg, train_split.data, val_split.data, progress=not args.no_progress,
+                 log=tqdm.write)
+  record["total_time_s"] = time.perf_counter() - t0  # including data loading
+  out = pathlib.Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "run.json").write_text(json.dumps(record, indent=1))
+  plot_runs([record], out / "loss.png",
+            title=f"GPT {cfg.layers}×{cfg.d_model} on stdlib bytes, {cfg.optimizer}")
+  print()
+  print(summary_table([record]))
+  print(f"\ncompile {record['compile_s']:.1f}s, {record['tokens_per_s']:,.0f} tokens/s, "
+        f"total {record['total_time_s']:.1f}s; wrote {out / 'loss.png'} and {out / 'run.json'}")
+  return record
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,119 @@
+"""The main example end to end on a tiny config, and its standard-library data loader."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import stdlib_text  # noqa: E402
+
+# A real but small corner of the standard library keeps the data loading quick.
+TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32",
+        "--batch", "8", "--eval-batches", "2", "--no-progress",
+        "--data-root", str(stdlib_text.stdlib_root() / "email")]
+
+
+def _write_tree(root: pathlib.Path, n: int) -> None:
+  for i in range(n):
+    path = root / f"pkg{i % 3}" / f"mod_{i}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"def f_{i}(x):\n    return x + {i}\n" * 20)
+  (root / "__pycache__").mkdir()
+  (root / "__pycache__" / "skipped.py").write_text("not source\n")
+  (root / "notes.txt").write_text("not python\n")
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_train_gpt_smoke(tmp_path, optimizer):
+  import train_gpt
+
+  record = train_gpt.main(TINY + ["--optimizer", optimizer, "--steps", "12",
+                                  "--eval-every", "6", "--out-dir", str(tmp_path)])
+  losses = record["train_loss"]
+  assert len(losses) == 12 and np.all(np.isfinite(losses))
+  assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
+  assert record["val_loss"][-1][1] < record["val_loss"][0][1]
+  assert (tmp_path / "loss.png").stat().st_size > 0
+  saved = json.loads((tmp_path / "run.json").read_text())
+  assert saved["optimizer"] == optimizer and saved["steps"] == 12
+  assert saved["final_val_loss"] == pytest.approx(record["val_loss"][-1][1])
+
+
+def test_train_gpt_data_parallel_matches_one_device(tmp_path):
+  """--devices 2 shards the batch over a "data" mesh; the maths must not change."""
+  import train_gpt
+
+  args = TINY + ["--steps", "3", "--eval-every", "3"]
+  one = train_gpt.main(args + ["--out-dir", str(tmp_path / "one")])
+  two = train_gpt.main(args + ["--devices", "2", "--out-dir", str(tmp_path / "two")])
+  np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_routing_sends_embeddings_and_head_to_adam():
+  import jax
+  import muon_optax as mo
+  from flax import nnx
+  from gpt import GPT, GPTConfig
+
+  for tie in (False, True):
+    model = GPT(GPTConfig(d_model=32, layers=1, heads=2, seq_len=16, tie_embeddings=tie),
+                rngs=nnx.Rngs(0))
+    flat = jax.tree_util.tree_flatten_with_path(mo.label_params(nnx.state(model, nnx.Param)))[0]
+    labels = {"/".join(str(k.key) for k in path if hasattr(k, "key")): label
+              for path, label in flat}
+    assert labels["embed/embedding"] == labels["pos_embed/embedding"] == "adam"
+    assert labels.get("lm_head/kernel", "adam") == "adam"
+    assert ("lm_head/kernel" in labels) != tie
+    for name in ("attn/query/kernel", "attn/out/kernel", "mlp_in/kernel", "mlp_out/kernel"):
+      assert labels[f"blocks/0/{name}"] == "muon", name
+    assert labels["blocks/0/ln1/scale"] == labels["blocks/0/attn/query/bias"] == "adam"
+
+
+def test_split_is_deterministic_and_disjoint(tmp_path):
+  _write_tree(tmp_path, 60)
+  train1, val1 = stdlib_text.load_splits(tmp_path, val_percent=20)
+  train2, val2 = stdlib_text.load_splits(tmp_path, val_percent=20)
+  assert train1.files == train2.files and val1.files == val2.files
+  np.testing.assert_array_equal(train1.data, train2.data)
+  assert not set(train1.files) & set(val1.files)
+  assert sorted(train1.files + val1.files) == stdlib_text.source_files(tmp_path)
+  assert len(train1.files + val1.files) == 60  # __pycache__ and .txt files skipped
+
+
+def test_stdlib_split_has_no_overlap():
+  files = stdlib_text.source_files()
+  val = {f for f in files if stdlib_text.is_validation(f, 10)}
+  train = set(files) - val
+  assert train and val and not train & val
+  assert 0.05 < len(val) / len(files) < 0.15
+
+
+def test_split_does_not_depend_on_root_location(tmp_path):
+  _write_tree(tmp_path / "a", 30)
+  _write_tree(tmp_path / "elsewhere" / "b", 30)
+  assert (stdlib_text.load_splits(tmp_path / "a", val_percent=30)[1].files
+          == stdlib_text.load_splits(tmp_path / "elsewhere" / "b", val_percent=30)[1].files)
+
+
+def test_empty_root_is_a_clear_error(tmp_path):
+  (tmp_path / "only.txt").write_text("no python here\n")
+  with pytest.raises(FileNotFoundError, match=r"no \.py source files found under"):
+    stdlib_text.load_splits(tmp_path)
+
+
+def test_batches_same_seed_same_data_and_resumable():
+  data = np.arange(10_000, dtype=np.uint16).astype(np.uint8)
+  a = stdlib_text.batches(data, 4, 16, seed=3)
+  b = stdlib_text.batches(data, 4, 16, seed=3)
+  first = [next(a) for _ in range(5)]
+  for x in first:
+    np.testing.assert_array_equal(x, next(b))
+  assert first[0].shape == (4, 17) and first[0].dtype == np.int32
+  resumed = stdlib_text.batches(data, 4, 16, seed=3, start_step=3)
+  np.testing.assert_array_equal(next(resumed), first[3])
+  assert not np.array_equal(next(stdlib_text.batches(data, 4, 16, seed=4)), first[0])
