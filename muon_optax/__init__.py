@@ -1,5 +1,8 @@
 """muon_optax: Muon (momentum orthogonalized by Newton–Schulz) as composable Optax transforms."""
 
+from muon_optax._adam_backends import (
+    BACKENDS, FlatAdamState, OffloadAdamState, ReferenceAdamState, adamw, convert_adam_state,
+    offload_state, resolve_backend)
 from muon_optax._alias import AuxAdam, muon, scale_by_muon
 from muon_optax._attention import ClipAttention, head_max_logits, max_logit_attention, max_logits
 from muon_optax._matrix_view import MatrixView, default_view, from_matrices, to_matrices
@@ -14,11 +17,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuxAdam",
+    "BACKENDS",
     "ClipAttention",
     "DEFAULT_RULES",
+    "FlatAdamState",
     "MatrixView",
     "MuonMomentumState",
+    "OffloadAdamState",
     "PRESETS",
+    "ReferenceAdamState",
+    "adamw",
+    "convert_adam_state",
     "default_rule",
     "default_view",
     "describe",
@@ -30,8 +39,10 @@ __all__ = [
     "muon",
     "newton_schulz",
     "newton_schulz_flops",
+    "offload_state",
     "orthogonalize",
     "qk_clip",
+    "resolve_backend",
     "scale_by_muon",
     "scale_by_muon_momentum",
     "scale_by_shape",
