@@ -7,7 +7,8 @@ from muon_optax._alias import AuxAdam, muon, scale_by_muon
 from muon_optax._attention import ClipAttention, head_max_logits, max_logit_attention, max_logits
 from muon_optax._matrix_view import MatrixView, default_view, from_matrices, to_matrices
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
-from muon_optax._newton_schulz import PRESETS, newton_schulz, newton_schulz_flops
+from muon_optax._newton_schulz import (
+    PRESETS, gram_newton_schulz_flops, newton_schulz, newton_schulz_flops)
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
 from muon_optax._routing import DEFAULT_RULES, default_rule, describe, label_params
@@ -33,6 +34,7 @@ __all__ = [
     "describe",
     "from_matrices",
     "head_max_logits",
+    "gram_newton_schulz_flops",
     "label_params",
     "max_logit_attention",
     "max_logits",

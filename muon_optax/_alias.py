@@ -32,6 +32,7 @@ def scale_by_muon(
     views: Optional[ViewFn] = None,
     per_head: bool = False,
     compute_dtype: Any = "float32",
+    gram: Optional[bool] = None,
 ) -> optax.GradientTransformation:
   """The Muon direction without learning rate or weight decay:
   momentum → Newton–Schulz orthogonalization → shape scaling.
@@ -50,7 +51,8 @@ def scale_by_muon(
   """
   return optax.chain(
       scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
-      orthogonalize(ns, ns_steps, views=views, per_head=per_head, compute_dtype=compute_dtype),
+      orthogonalize(ns, ns_steps, views=views, per_head=per_head, compute_dtype=compute_dtype,
+                    gram=gram),
       scale_by_shape(scale, views=views, per_head=per_head),
   )
 
@@ -107,6 +109,7 @@ def muon(
     views: Optional[ViewFn] = None,
     per_head: bool = False,
     compute_dtype: Any = "float32",
+    gram: Optional[bool] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden weight matrices, AdamW for everything else, routed by tree path.
 
@@ -128,7 +131,9 @@ def muon(
     labels: None (default rules), a list of rules, a callable params -> labels, or
       a pytree of "muon" / "adam" / "frozen" strings. `describe` shows the result.
     views, per_head: how leaves are seen as matrices (see `default_view`).
-    compute_dtype: dtype of the Newton–Schulz iteration.
+    compute_dtype: dtype of the Newton–Schulz matmul operands (float32 accumulation).
+    gram: Gram-space Newton–Schulz on, off, or None to choose per matrix shape (on
+      when the long side is ≥ 3× the short one; see `newton_schulz`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. Under `optax.inject_hyperparams`
@@ -149,7 +154,8 @@ def muon(
   views = view_fn(views, per_head)
   muon_branch = optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns=ns, ns_steps=ns_steps, scale=scale,
-                    mu_dtype=mu_dtype, views=views, compute_dtype=compute_dtype),
+                    mu_dtype=mu_dtype, views=views, compute_dtype=compute_dtype,
+                    gram=gram),
       optax.add_decayed_weights(weight_decay, branch_mask(weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),
   )

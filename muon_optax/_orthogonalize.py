@@ -94,6 +94,7 @@ def orthogonalize(
     views: Optional[ViewFn] = None,
     per_head: bool = False,
     compute_dtype: Any = "float32",
+    gram: Optional[bool] = None,
 ) -> optax.GradientTransformation:
   """Replaces each update by Newton–Schulz's orthogonalization of its matrix view.
 
@@ -107,6 +108,8 @@ def orthogonalize(
     views: (path, shape) -> MatrixView | None; None uses `default_view`.
     per_head: with the default views, orthogonalize each attention head on its own.
     compute_dtype: dtype of the iteration (float32 by default).
+    gram: Gram-space iteration on (True), off (False) or chosen per shape group
+      (None: on when the long side is ≥ 3× the short one; see `newton_schulz`).
 
   Returns:
     A stateless `optax.GradientTransformation`.
@@ -119,7 +122,8 @@ def orthogonalize(
   """
   coefficient_schedule(ns, ns_steps)  # fail early on a bad schedule
   views = view_fn(views, per_head)
-  ns_fn = lambda stack: newton_schulz(stack, ns=ns, steps=ns_steps, compute_dtype=compute_dtype)
+  ns_fn = lambda stack: newton_schulz(stack, ns=ns, steps=ns_steps, compute_dtype=compute_dtype,
+                                     gram=gram)
   solver = grouped_solver(ns_fn)
 
   def update_fn(updates, state, params=None):

@@ -179,3 +179,22 @@ def test_bad_gram_and_compute_dtype_are_clear_errors():
     mo.newton_schulz(x, compute_dtype="int32")
   with pytest.raises(ValueError, match="compute_dtype"):
     mo.newton_schulz(x, compute_dtype="not-a-dtype")
+
+
+def test_gram_option_reaches_orthogonalize_scale_by_muon_and_muon():
+  params = {"mlp": {"kernel": jax.random.normal(jax.random.key(5), (16, 64)),
+                    "bias": jnp.zeros(64)}}
+  kernel = {"w": params["mlp"]["kernel"]}
+  flops = {}
+  for gram in (True, False):
+    tx = mo.orthogonalize("jordan", gram=gram)
+    out, _ = jax.jit(tx.update)(kernel, tx.init(kernel))
+    np.testing.assert_allclose(out["w"], mo.newton_schulz(kernel["w"], gram=gram), atol=1e-6)
+    direction = mo.scale_by_muon(gram=gram)
+    flops["scale_by_muon", gram] = compiled_flops(
+        lambda g: direction.update(g, direction.init(g))[0], kernel)
+    tx = mo.muon(0.02, gram=gram)
+    state = tx.init(params)
+    flops["muon", gram] = compiled_flops(lambda g: tx.update(g, state, params)[0], params)
+  for name in ("scale_by_muon", "muon"):
+    assert flops[name, True] < 0.85 * flops[name, False], flops
