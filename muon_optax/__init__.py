@@ -5,6 +5,7 @@ from muon_optax._adam_backends import (
     offload_state, resolve_backend)
 from muon_optax._alias import AuxAdam, muon, scale_by_muon
 from muon_optax._attention import ClipAttention, head_max_logits, max_logit_attention, max_logits
+from muon_optax._hlo import collective_stats
 from muon_optax._matrix_view import MatrixView, default_view, from_matrices, to_matrices
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz import (
@@ -13,6 +14,8 @@ from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
 from muon_optax._routing import DEFAULT_RULES, default_rule, describe, label_params
 from muon_optax._scaling import scale_by_shape
+from muon_optax._state_sharding import state_shardings
+from muon_optax import checkpoint  # Orbax is imported on first use
 
 __version__ = "0.1.0"
 
@@ -20,6 +23,7 @@ __all__ = [
     "AuxAdam",
     "BACKENDS",
     "ClipAttention",
+    "checkpoint",
     "DEFAULT_RULES",
     "FlatAdamState",
     "MatrixView",
@@ -29,12 +33,13 @@ __all__ = [
     "ReferenceAdamState",
     "adamw",
     "convert_adam_state",
+    "collective_stats",
     "default_rule",
     "default_view",
     "describe",
     "from_matrices",
-    "head_max_logits",
     "gram_newton_schulz_flops",
+    "head_max_logits",
     "label_params",
     "max_logit_attention",
     "max_logits",
@@ -48,5 +53,6 @@ __all__ = [
     "scale_by_muon",
     "scale_by_muon_momentum",
     "scale_by_shape",
+    "state_shardings",
     "to_matrices",
 ]

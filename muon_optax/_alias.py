@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
 from muon_optax import _adam_backends, _paths, _routing
@@ -33,6 +34,8 @@ def scale_by_muon(
     per_head: bool = False,
     compute_dtype: Any = "float32",
     gram: Optional[bool] = None,
+    mesh: Optional[Mesh] = None,
+    data_axis: str = "data",
 ) -> optax.GradientTransformation:
   """The Muon direction without learning rate or weight decay:
   momentum → Newton–Schulz orthogonalization → shape scaling.
@@ -52,7 +55,7 @@ def scale_by_muon(
   return optax.chain(
       scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
       orthogonalize(ns, ns_steps, views=views, per_head=per_head, compute_dtype=compute_dtype,
-                    gram=gram),
+                    gram=gram, mesh=mesh, data_axis=data_axis),
       scale_by_shape(scale, views=views, per_head=per_head),
   )
 
@@ -110,6 +113,8 @@ def muon(
     per_head: bool = False,
     compute_dtype: Any = "float32",
     gram: Optional[bool] = None,
+    mesh: Optional[Mesh] = None,
+    data_axis: str = "data",
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden weight matrices, AdamW for everything else, routed by tree path.
 
@@ -134,6 +139,9 @@ def muon(
     compute_dtype: dtype of the Newton–Schulz matmul operands (float32 accumulation).
     gram: Gram-space Newton–Schulz on, off, or None to choose per matrix shape (on
       when the long side is ≥ 3× the short one; see `newton_schulz`).
+    mesh, data_axis: orthogonalize whole matrices dealt over the mesh's devices,
+      balanced by flops, instead of on every device (see `state_shardings` for the
+      matching optimizer-state layout).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. Under `optax.inject_hyperparams`
@@ -155,7 +163,7 @@ def muon(
   muon_branch = optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns=ns, ns_steps=ns_steps, scale=scale,
                     mu_dtype=mu_dtype, views=views, compute_dtype=compute_dtype,
-                    gram=gram),
+                    gram=gram, mesh=mesh, data_axis=data_axis),
       optax.add_decayed_weights(weight_decay, branch_mask(weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),
   )

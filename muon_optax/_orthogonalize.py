@@ -7,9 +7,11 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from muon_optax import _paths
 from muon_optax._matrix_view import MatrixView, ViewFn, default_view, from_matrices, to_matrices
+from muon_optax._sharded_ns import sharded_solver
 from muon_optax._newton_schulz import Schedule, coefficient_schedule, newton_schulz
 
 
@@ -95,6 +97,8 @@ def orthogonalize(
     per_head: bool = False,
     compute_dtype: Any = "float32",
     gram: Optional[bool] = None,
+    mesh: Optional[Mesh] = None,
+    data_axis: str = "data",
 ) -> optax.GradientTransformation:
   """Replaces each update by Newton–Schulz's orthogonalization of its matrix view.
 
@@ -110,6 +114,9 @@ def orthogonalize(
     compute_dtype: dtype of the iteration (float32 by default).
     gram: Gram-space iteration on (True), off (False) or chosen per shape group
       (None: on when the long side is ≥ 3× the short one; see `newton_schulz`).
+    mesh, data_axis: with a mesh, every matrix is orthogonalized whole on one device
+      and the matrices are dealt over all devices, balanced by flops (see
+      `muon_optax._sharded_ns`); results equal the single-device ones.
 
   Returns:
     A stateless `optax.GradientTransformation`.
@@ -124,7 +131,7 @@ def orthogonalize(
   views = view_fn(views, per_head)
   ns_fn = lambda stack: newton_schulz(stack, ns=ns, steps=ns_steps, compute_dtype=compute_dtype,
                                      gram=gram)
-  solver = grouped_solver(ns_fn)
+  solver = grouped_solver(ns_fn) if mesh is None else sharded_solver(ns_fn, mesh, data_axis)
 
   def update_fn(updates, state, params=None):
     del params
