@@ -23,28 +23,32 @@ import time
 from typing import Any, Callable, Optional
 
 
+def _flag(default: Any, help: str) -> Any:
+  return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class TrainConfig:
   """Everything that defines one run; every field is a command-line flag."""
 
-  optimizer: str = "muon"        # "muon" (+ AdamW for non-matrix leaves) or "adamw"
-  steps: int = 400
-  d_model: int = 64
-  layers: int = 2
-  heads: int = 4
-  seq_len: int = 64
-  batch: int = 32
-  lr: float = 0.02               # Muon's peak learning rate (hidden matrices)
-  adam_lr: float = 3e-3          # AdamW's peak learning rate (Muon's aux branch, or everything)
-  weight_decay: float = 0.0      # decoupled, on hidden matrices only, both optimizers
-  warmup: float = 0.05           # fraction of steps of linear warmup, then cosine decay to 10%
-  seed: int = 0                  # model init and data order
-  eval_every: int = 100
-  eval_batches: int = 8
-  devices: int = 1
-  data_root: str = ""            # a directory of .py files; "" = this Python's stdlib
-  tie_embeddings: bool = False
-  out_dir: str = "runs/train_gpt"
+  optimizer: str = _flag("muon", "muon (hidden matrices; AdamW for the rest) or adamw")
+  steps: int = _flag(350, "training steps")
+  d_model: int = _flag(64, "model width")
+  layers: int = _flag(2, "transformer blocks")
+  heads: int = _flag(4, "attention heads")
+  seq_len: int = _flag(64, "context length in bytes")
+  batch: int = _flag(32, "sequences per step (split over --devices)")
+  lr: float = _flag(0.02, "Muon's peak learning rate")
+  adam_lr: float = _flag(3e-3, "AdamW's peak learning rate (Muon's aux branch, or everything)")
+  weight_decay: float = _flag(0.0, "decoupled weight decay of the hidden matrices")
+  warmup: float = _flag(0.05, "fraction of steps of linear warmup, then cosine decay to 10%%")
+  seed: int = _flag(0, "model init and data order")
+  eval_every: int = _flag(100, "steps between validation losses")
+  eval_batches: int = _flag(8, "fixed validation batches")
+  devices: int = _flag(1, "data-parallel devices (simulated on CPU)")
+  data_root: str = _flag("", "a directory of .py files (default: this Python's stdlib)")
+  tie_embeddings: bool = _flag(False, "use the token embedding as the output head")
+  out_dir: str = _flag("runs/train_gpt", "where loss.png and run.json go")
   # Checkpointing will add `checkpoint_dir` / `resume` here: `train` already starts
   # from `start_step` and draws batch i from (seed, i) alone, so a restore of model and
   # optimizer state plus the step is all a resume needs.
@@ -55,16 +59,15 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
   defaults = TrainConfig()
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--optimizer", choices=("muon", "adamw"), default=defaults.optimizer)
   for field in dataclasses.fields(TrainConfig):
+    flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
+    kwargs = {"help": field.metadata["help"]}
     if field.name == "optimizer":
-      continue
-    flag = "--" + field.name.replace("_", "-")
-    if field.type == "bool":
-      p.add_argument(flag, action="store_true")
+      kwargs["choices"] = ("muon", "adamw")
+    if isinstance(default, bool):
+      p.add_argument(flag, action="store_true", **kwargs)
     else:
-      p.add_argument(flag, type=type(getattr(defaults, field.name)),
-                     default=getattr(defaults, field.name))
+      p.add_argument(flag, type=type(default), default=default, **kwargs)
   p.add_argument("--describe", action="store_true",
                  help="print the model's optimizer routing table and exit")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -136,7 +139,9 @@ def newton_schulz_flops_per_step(params: Any, ns_steps: int = 5) -> int:
   for (path, leaf), label in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                  jax.tree.leaves(mo.label_params(params))):
     if label == "muon":
-      name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+      # The path as the routing sees it: dict keys and list indices, no `.value`.
+      name = "/".join(str(k.key if hasattr(k, "key") else k.idx) for k in path
+                      if not isinstance(k, jax.tree_util.GetAttrKey))
       count, m, n = mo.default_view(name, leaf.shape).matrix_shape(leaf.shape)
       total += count * mo.newton_schulz_flops(m, n, ns_steps)
   return total
@@ -178,8 +183,13 @@ def machine_info() -> dict[str, Any]:
 
 
 def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
-          progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Trains one model; returns the run record (config, curves, final numbers, timings)."""
+          progress: Optional[bool] = True, log: Callable[[str], None] = print
+          ) -> dict[str, Any]:
+  """Trains one model; returns the run record (config, curves, final numbers, timings).
+
+  `progress`: show a progress bar (None: only when stderr is a terminal); `log`
+  receives one line per validation.
+  """
   t_start = time.perf_counter()
   mesh = data_mesh(cfg.devices)
   if cfg.batch % cfg.devices:
@@ -212,8 +222,8 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
   val_curve: list[tuple[int, float]] = []
   pending: list[jax.Array] = []  # losses not yet fetched: fetching every step would sync
   compile_s, t_loop, t_log, tokens_since, eval_s = None, None, None, 0, 0.0
-  bar = tqdm(range(start_step, cfg.steps), desc=cfg.optimizer, disable=not progress,
-             dynamic_ncols=True)
+  bar = tqdm(range(start_step, cfg.steps), desc=cfg.optimizer, dynamic_ncols=True,
+             disable=None if progress is None else not progress, leave=progress is not None)
   for step in bar:
     t0 = time.perf_counter()
     pending.append(step_fn(shard(next(data))))
