@@ -4,6 +4,7 @@
     python examples/train_gpt.py --optimizer adamw  # the all-AdamW baseline
     python examples/train_gpt.py --devices 4        # data parallel over 4 (simulated CPU) devices
     python examples/train_gpt.py --describe         # print the routing table and exit
+    python examples/train_gpt.py --checkpoint-dir ckpt --resume  # continue after a stop
 
 The default configuration is sized to finish in a few minutes on a 2-core CPU. It writes
 `loss.png` (train and validation curves) and `run.json` (config, curves, final numbers,
@@ -49,9 +50,10 @@ class TrainConfig:
   data_root: str = _flag("", "a directory of .py files (default: this Python's stdlib)")
   tie_embeddings: bool = _flag(False, "use the token embedding as the output head")
   out_dir: str = _flag("runs/train_gpt", "where loss.png and run.json go")
-  # Checkpointing will add `checkpoint_dir` / `resume` here: `train` already starts
-  # from `start_step` and draws batch i from (seed, i) alone, so a restore of model and
-  # optimizer state plus the step is all a resume needs.
+  # Batch i is drawn from (seed, i) alone, so model, optimizer state and step are all a
+  # resume needs.
+  checkpoint_dir: str = _flag("", "save model and optimizer every --eval-every steps (Orbax)")
+  resume: bool = _flag(False, "continue from the latest checkpoint in --checkpoint-dir")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
@@ -175,6 +177,31 @@ def place_data_parallel(mesh: Optional[jax.sharding.Mesh], *modules: nnx.Module
   return lambda batch: jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
+def _values(tree: Any) -> Any:
+  """nnx Variables -> their arrays: the plain pytrees a checkpoint holds."""
+  return jax.tree.map(lambda v: v.get_value(), tree,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def checkpointed(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any]:
+  """(params, optimizer state) as the live nnx Variables that are saved and restored."""
+  return nnx.state(model, nnx.Param), {"step": optimizer.step, "opt_state": optimizer.opt_state}
+
+
+def restore_latest(ckpt: "mo.checkpoint.Checkpointer", model: nnx.Module,
+                   optimizer: nnx.Optimizer) -> int:
+  """Loads the latest checkpoint into model and optimizer; returns its step (0: none)."""
+  if ckpt.latest_step() is None:
+    return 0
+  variables = checkpointed(model, optimizer)
+  # The current arrays are the target: they give shapes, dtypes and shardings.
+  restored = ckpt.restore(params_target=_values(variables[0]),
+                          opt_state_target=_values(variables[1]))
+  jax.tree.map(lambda v, x: v.set_value(x), variables, (restored.params, restored.opt_state),
+               is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return restored.step
+
+
 def machine_info() -> dict[str, Any]:
   return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
           "cpu_count": os.cpu_count(), "python": platform.python_version(),
@@ -216,7 +243,14 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
   tokens_per_step = cfg.batch * cfg.seq_len
   show_lr = lr_schedule(cfg.lr if cfg.optimizer == "muon" else cfg.adam_lr, cfg)
 
-  start_step = 0  # a resume would restore model, optimizer and this step
+  ckpt = mo.checkpoint.Checkpointer(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+  if cfg.resume and ckpt is None:
+    raise ValueError("--resume needs --checkpoint-dir.")
+  start_step = restore_latest(ckpt, model, optimizer) if cfg.resume else 0
+  if start_step >= cfg.steps:
+    raise ValueError(f"the checkpoint is at step {start_step}; raise --steps to train further.")
+  if start_step:
+    log(f"resumed from step {start_step} in {cfg.checkpoint_dir}")
   data = stdlib_text.batches(train_data, cfg.batch, cfg.seq_len, cfg.seed, start_step=start_step)
   train_losses: list[float] = []
   val_curve: list[tuple[int, float]] = []
@@ -246,11 +280,16 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
     if evaluate_now:
       t_eval = time.perf_counter()
       val_curve.append((step + 1, evaluate()))
+      if ckpt is not None:  # written in the background; counted with evaluation, not training
+        ckpt.save(step + 1, *map(_values, checkpointed(model, optimizer)),
+                  metadata={"val_loss": val_curve[-1][1]})
       t_log = time.perf_counter()  # tokens/s counts training only
       eval_s += t_log - t_eval
       log(f"step {step + 1:>6}  train {np.mean(train_losses[-10:]):.4f}  "
           f"val {val_curve[-1][1]:.4f}")
   bar.close()
+  if ckpt is not None:
+    ckpt.close()  # waits for the last save
   t_end = time.perf_counter()
   steady_steps = cfg.steps - start_step - 1
   tail = train_losses[-min(20, len(train_losses)):]
@@ -261,6 +300,7 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
       "ns_flops_per_step": newton_schulz_flops_per_step(params) if cfg.optimizer == "muon" else 0,
       "train_flops_per_step": 6 * n_params * tokens_per_step,
       "steps": cfg.steps,
+      "start_step": start_step,
       "tokens": cfg.steps * tokens_per_step,
       "train_loss": train_losses,
       "val_loss": val_curve,

@@ -54,6 +54,21 @@ def test_train_gpt_data_parallel_matches_one_device(tmp_path):
   np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=1e-5, atol=1e-5)
 
 
+def test_train_gpt_resume_matches_the_uninterrupted_run(tmp_path):
+  """--checkpoint-dir saves every --eval-every steps; --resume continues from the latest."""
+  import shutil
+
+  import train_gpt
+
+  args = TINY + ["--steps", "4", "--eval-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+  full = train_gpt.main(args + ["--out-dir", str(tmp_path / "full")])
+  shutil.rmtree(tmp_path / "ckpt" / "4")  # as if stopped between the saves of steps 2 and 4
+  resumed = train_gpt.main(args + ["--resume", "--out-dir", str(tmp_path / "resumed")])
+  assert resumed["start_step"] == 2
+  assert resumed["train_loss"] == full["train_loss"][2:]  # same program, same data: bit-exact
+  assert resumed["val_loss"] == full["val_loss"][1:]
+
+
 def test_gpt_routing_sends_embeddings_and_head_to_adam():
   import jax
   import muon_optax as mo
