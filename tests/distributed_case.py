@@ -1,0 +1,24 @@
+"""The small training case shared by the multi-process worker and its test."""
+
+import jax
+import jax.numpy as jnp
+
+import muon_optax as mo
+
+STEPS = 3
+
+
+def make_params():
+  ks = jax.random.split(jax.random.key(0), 4)
+  return {"embed": {"embedding": jax.random.normal(ks[0], (64, 32))},
+          "fc": {"kernel": jax.random.normal(ks[1], (32, 128)) * 0.1, "bias": jnp.zeros(128)},
+          "proj": {"kernel": jax.random.normal(ks[2], (128, 32)) * 0.1},
+          "sq": {"kernel": jax.random.normal(ks[3], (4, 32, 32)) * 0.1}}
+
+
+def grads_at(step, params):
+  return jax.tree.map(lambda p: jax.random.normal(jax.random.key(50 + step), p.shape), params)
+
+
+def optimizer(mesh=None):
+  return mo.muon(0.05, weight_decay=0.01, mesh=mesh, adam=mo.AuxAdam(1e-2, backend="optax"))

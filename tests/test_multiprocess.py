@@ -1,0 +1,64 @@
+"""The same Muon code under jax.distributed: 2 processes × 4 CPU devices vs 1 process × 8."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from distributed_case import STEPS, grads_at, make_params, optimizer
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import muon_optax as mo
+
+HERE = Path(__file__).parent
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def single_process_run():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  rep = NamedSharding(mesh, P())
+  params = jax.device_put(make_params(), rep)
+  tx = optimizer(mesh)
+  shardings = mo.state_shardings(tx, params, mesh)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  step = jax.jit(tx.update, out_shardings=(rep, shardings))
+  for i in range(STEPS):
+    updates, state = step(jax.device_put(grads_at(i, make_params()), rep), state, params)
+    params = optax.apply_updates(params, updates)
+  return {path: np.asarray(x) for path, x in mo._paths.leaves_with_path(params)}
+
+
+def test_two_processes_match_one(tmp_path):
+  port, out = free_port(), tmp_path / "params.npz"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+  procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_worker.py"), str(port),
+                             str(i), str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    pytest.fail("the 2-process run did not finish within 240 s")
+  finally:
+    for p in procs:  # never leave a process behind
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  got = dict(np.load(out))
+  want = single_process_run()
+  assert got.keys() == want.keys()
+  for path in want:
+    np.testing.assert_allclose(got[path], want[path], rtol=0, atol=1e-5, err_msg=path)
