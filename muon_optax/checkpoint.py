@@ -15,8 +15,9 @@ is converted with `convert_adam_state`. The state does not depend on the Newtonâ
 preset, so `ns="jordan"` restores under `ns="polar_express"`.
 
 Saves are atomic (Orbax writes into a temporary directory and renames it when done):
-a job killed mid-save leaves the previous checkpoints intact, and the half-written one
-is never listed, and is deleted when the next `Checkpointer` opens the directory.
+a job killed mid-save leaves the previous checkpoints intact; the half-written one is
+never listed, and the next `Checkpointer` on the directory deletes it (in the background,
+finished before its first save).
 
 Orbax is imported on first use: `pip install orbax-checkpoint`.
 """
@@ -78,7 +79,8 @@ def abstract_target(tx: optax.GradientTransformation, params: Any, mesh: Optiona
 
   Without a mesh everything lands on the default device. With a mesh, a parameter
   keeps its `NamedSharding` if it has one on this mesh (FSDP) and is replicated
-  otherwise (ZeRO-1); the optimizer state is laid out by `state_shardings`.
+  otherwise (ZeRO-1); the optimizer state is laid out by `state_shardings`. State
+  that `tx` keeps in host memory (offload) is restored into host memory.
 
   Args:
     tx: the optimizer the job runs with now.
@@ -99,27 +101,40 @@ def abstract_target(tx: optax.GradientTransformation, params: Any, mesh: Optiona
     PartitionSpec()
   """
   if mesh is None:
-    abstract_params = _abstract(params)
-    return abstract_params, _abstract(jax.eval_shape(tx.init, abstract_params))
+    device = SingleDeviceSharding(jax.devices()[0])
+    param_sharding = lambda x: device
+  else:
+    def param_sharding(x):
+      sharding = getattr(x, "sharding", None)
+      keep = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+      return sharding if keep else NamedSharding(mesh, P())
 
-  def param(x):
-    sharding = getattr(x, "sharding", None)
-    if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
-      sharding = NamedSharding(mesh, P())
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
-
-  abstract_params = jax.tree.map(param, params)
-  shardings = _state_sharding.state_shardings(tx, abstract_params, mesh, data_axis)
+  abstract_params = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=param_sharding(x)),
+      params)
+  state, on_host = _init_shapes(tx, abstract_params)
+  if mesh is None:
+    shardings = jax.tree.map(lambda _: device, state)
+  else:
+    shardings = _state_sharding.state_shardings(tx, abstract_params, mesh, data_axis)
   abstract_state = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_keep_memory_kind(s, x)),
-      jax.eval_shape(tx.init, abstract_params), shardings)
+      lambda x, s, host: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=s.with_memory_kind("pinned_host") if host else s),
+      state, shardings, on_host)
   return abstract_params, abstract_state
 
 
-def _keep_memory_kind(sharding: NamedSharding, leaf: Any) -> NamedSharding:
-  """`sharding` in the memory space `tx.init` put the leaf in (host offload)."""
-  kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None)
-  return sharding.with_memory_kind(kind) if kind else sharding
+def _init_shapes(tx: optax.GradientTransformation, params: Any) -> tuple[Any, Any]:
+  """`tx.init(params)` abstractly, and per leaf whether init puts it in host memory.
+
+  Offloaded state (`adam_backend="offload"`, `offload_momentum=True`) must be read
+  back into host memory: it may not fit on the device. `jax.eval_shape` drops the
+  memory space; the traced program keeps it.
+  """
+  traced = jax.jit(tx.init).trace(params)
+  on_host = [getattr(a, "memory_space", None) == jax.memory.Space.Host
+             for a in traced.jaxpr.out_avals]
+  return traced.out_info, jax.tree.structure(traced.out_info).unflatten(on_host)
 
 
 # --- the JSON record -------------------------------------------------------------------
@@ -167,10 +182,12 @@ def _check_labels_fit_state(labels: dict[str, str], params: dict, state: Any) ->
           raise ValueError(
               f"parameter {name!r} is labelled {labels[name]!r} by the checkpointer's labels, "
               f"but the optimizer state keeps it {'in' if name in held else 'out of'} "
-              f"the {branch!r} branch. Give Checkpointer(labels=...) the labels given to muon(...).")
+              f"the {branch!r} branch. Give Checkpointer(labels=...) the labels given to "
+              "muon(...).")
 
 
-def _routing_record(params: Any, state: Any, labels: _routing.Labels, views: ViewFn) -> Optional[dict]:
+def _routing_record(params: Any, state: Any, labels: _routing.Labels, views: ViewFn
+                    ) -> Optional[dict]:
   """Path -> {"label", "view"} of every parameter, or None if `state` holds no muon(...) state."""
   if not _partitions(state):
     return None
@@ -178,13 +195,15 @@ def _routing_record(params: Any, state: Any, labels: _routing.Labels, views: Vie
     label_tree = _routing.resolve_labels(labels, params)
     flat_labels = dict(_paths.leaves_with_path(label_tree))
   except ValueError as e:
-    raise ValueError(f"{e} (Checkpointer(labels=...) must be the labels given to muon(...).)") from None
+    raise ValueError(
+        f"{e} (Checkpointer(labels=...) must be the labels given to muon(...).)") from None
   _check_labels_fit_state(flat_labels, _leaves(params), state)
   record = {}
   for path, x in _paths.leaves_with_path(params):
     view = views(path, tuple(jnp.shape(x))) if flat_labels[path] == _routing.MUON else None
-    record[path] = {"label": flat_labels[path],
-                    "view": None if view is None else {**view._asdict(), "matrices": view.describe(jnp.shape(x))}}
+    if view is not None:
+      view = {**view._asdict(), "matrices": view.describe(jnp.shape(x))}
+    record[path] = {"label": flat_labels[path], "view": view}
   return record
 
 
@@ -193,8 +212,9 @@ def _mismatch(what: str, saved: dict, current: dict, fields: tuple[str, ...]) ->
   missing = [p for p in saved if p not in current]
   extra = [p for p in current if p not in saved]
   if missing or extra:
+    more = " (first 5 shown)" if max(len(missing), len(extra)) > 5 else ""
     return (f"{what} trees differ: in the checkpoint only: {missing[:5]}; in the target "
-            f"only: {extra[:5]}" + (" (first 5 shown)" if max(len(missing), len(extra)) > 5 else ""))
+            f"only: {extra[:5]}{more}")
   for path, rec in saved.items():
     for field in fields:
       if rec.get(field) != current[path].get(field):
@@ -261,7 +281,8 @@ class Checkpointer:
         "adam_backends": _adam_states(opt_state),
     }
 
-  def save(self, step: int, params: Any, opt_state: Any, *, metadata: Optional[dict] = None) -> None:
+  def save(self, step: int, params: Any, opt_state: Any, *,
+           metadata: Optional[dict] = None) -> None:
     """Saves params, optimizer state and the JSON record (plus `metadata`) as `step`.
 
     With `async_save` the arrays are written in the background; call `wait()` before
@@ -306,6 +327,10 @@ class Checkpointer:
     ocp = _ocp()
     step = self._step(step)
     saved = self.metadata(step)
+    if saved.get("format", 0) > FORMAT:
+      raise ValueError(
+          f"checkpoint step {step} in {self.directory} was written by muon_optax "
+          f"{saved.get('muon_optax_version')} in a newer format; upgrade muon_optax to read it.")
     params_t, state_t = _abstract(params_target), _abstract(opt_state_target)
     current = self.record(params_t, state_t)
     where = f"checkpoint step {step} in {self.directory} does not fit the restore target: "
@@ -337,9 +362,10 @@ class Checkpointer:
 
   def _saved_layout(self, saved: dict, current: dict, params: Any, state: Any, where: str
                     ) -> tuple[Any, str]:
-    """The target converted to the checkpoint's AdamW backend, and the backend to convert back to."""
+    """The target in the checkpoint's AdamW backend, and the backend to convert back to."""
     old, new = set(saved["adam_backends"].values()), set(current["adam_backends"].values())
-    if saved["adam_backends"].keys() != current["adam_backends"].keys() or len(old) != 1 or len(new) != 1:
+    same_places = saved["adam_backends"].keys() == current["adam_backends"].keys()
+    if not same_places or len(old) != 1 or len(new) != 1:
       raise ValueError(
           where + f"AdamW states {saved['adam_backends']} in the checkpoint, "
           f"{current['adam_backends']} in the target; only one backend changing for another "
@@ -372,7 +398,8 @@ class Checkpointer:
       elif shape == leaf.shape and isinstance(s, NamedSharding):
         s = NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
       elif self.data_axis in mesh.axis_names:
-        s = NamedSharding(mesh, _state_sharding._add_data_axis(leaf.shape, P(), mesh, self.data_axis))
+        spec = _state_sharding._add_data_axis(leaf.shape, P(), mesh, self.data_axis)
+        s = NamedSharding(mesh, spec)
       else:
         s = NamedSharding(mesh, P())
       return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)

@@ -39,7 +39,8 @@ def loss_fn(params, step):
   """Next-token cross-entropy of a one-block model on a batch fixed by `step`."""
   x = jax.random.randint(jax.random.fold_in(jax.random.key(1), step), (BATCH,), 0, VOCAB)
   h = params["embed"]["embedding"][x]
-  h = h + jnp.tanh(h @ params["mlp_in"]["kernel"] + params["mlp_in"]["bias"]) @ params["mlp_out"]["kernel"]
+  mlp_in, mlp_out = params["mlp_in"], params["mlp_out"]
+  h = h + jnp.tanh(h @ mlp_in["kernel"] + mlp_in["bias"]) @ mlp_out["kernel"]
   logits = h @ params["lm_head"]["kernel"]
   return optax.softmax_cross_entropy_with_integer_labels(logits, (3 * x + 1) % VOCAB).mean()
 
@@ -183,20 +184,28 @@ def test_jordan_checkpoint_restores_under_polar_express(tmp_path):
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(updates))
 
 
-def test_adam_backend_change_is_converted(tmp_path):
+@pytest.mark.parametrize("backend", ["optax", "offload"])
+def test_adam_backend_change_is_converted(tmp_path, backend):
   params = make_params()
   state = fill(jax.eval_shape(make_tx(adam_backend="flat").init, params), 0)
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(0, params, state)
     ckpt.wait()
     mesh = make_mesh(4)
-    target = abstract_target(make_tx(mesh, adam_backend="optax"), params, mesh)
+    tx = make_tx(mesh, adam_backend=backend, offload_momentum=backend == "offload")
+    target = abstract_target(tx, params, mesh)
     restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
-  adam = restored.opt_state.inner_states["adam"].inner_state
-  assert isinstance(adam, optax.ScaleByAdamState)
-  assert_equal(restored.opt_state, mo.convert_adam_state(state, params, "optax"))
+  assert type(restored.opt_state.inner_states["adam"].inner_state).__name__ == {
+      "optax": "ScaleByAdamState", "offload": "OffloadAdamState"}[backend]
+  assert_equal(restored.opt_state, mo.convert_adam_state(state, params, backend))
   for x, t in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(target[1])):
     assert x.sharding.is_equivalent_to(t.sharding, x.ndim)
+    assert x.sharding.memory_kind == t.sharding.memory_kind
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state) if x.ndim}
+  assert kinds == {"pinned_host" if backend == "offload" else "device"}
+
+
+MLP_OUT_TO_ADAM = [("mlp_out", "adam"), *mo.DEFAULT_RULES]
 
 
 def mismatch_cases():
@@ -210,7 +219,7 @@ def mismatch_cases():
       "tree": (make_params(), {**make_params(), "extra": {"kernel": jnp.ones((4, 4))}}, {}, {},
                r"parameter trees differ: in the checkpoint only: \[\]; in the target only: "
                r"\['extra/kernel'\]"),
-      "labels": (make_params(), make_params(), {}, {"labels": [("mlp_out", "adam"), *mo.DEFAULT_RULES]},
+      "labels": (make_params(), make_params(), {}, {"labels": MLP_OUT_TO_ADAM},
                  r"parameter 'mlp_out/kernel' has label 'muon' in the checkpoint but 'adam'"),
   }
 
@@ -230,7 +239,7 @@ def test_mismatch_is_a_clear_error(tmp_path, case):
 def test_labels_that_do_not_fit_the_state_are_an_error(tmp_path):
   params = make_params()
   # The "optax" AdamW backend keeps per-parameter moments, so the state shows the routing.
-  state = make_tx(adam_backend="optax", labels=[("mlp_out", "adam"), *mo.DEFAULT_RULES]).init(params)
+  state = make_tx(adam_backend="optax", labels=MLP_OUT_TO_ADAM).init(params)
   with pytest.raises(ValueError, match=r"'mlp_out/kernel' is labelled 'muon' by the checkpointer's "
                      r"labels, but the optimizer state keeps it out of the 'muon' branch"), \
       Checkpointer(tmp_path) as ckpt:
@@ -291,7 +300,8 @@ def test_killed_save_leaves_the_previous_checkpoint(tmp_path):
     assert restored.step == 1
     assert_equal(restored.params, params)
     assert_equal(restored.opt_state, tx.init(params))
-    assert not any("tmp" in p.name for p in directory.iterdir())  # cleaned up on open
     ckpt.save(2, params, tx.init(params))  # the resumed job writes step 2 again
     ckpt.wait()
     assert ckpt.all_steps() == [1, 2]
+  # Removal starts when a Checkpointer opens the directory and ends before its first save.
+  assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
