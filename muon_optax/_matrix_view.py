@@ -32,7 +32,9 @@ ViewFn = Callable[[str, tuple[int, ...]], Optional[MatrixView]]
 
 _CONV = re.compile(r"(?i)conv")
 _QKV = re.compile(r"(?:^|/)(query|key|value|q_proj|k_proj|v_proj)/kernel$")
-_ATTN_OUT = re.compile(r"(?:^|/)(attn|attention|self_attn|mha)\w*/(out|o_proj)/kernel$", re.I)
+# nnx.MultiHeadAttention names its output projection `out`; a rank ≥ 3 `out` kernel is
+# (..., heads, head_dim, d_model) wherever the module sits.
+_ATTN_OUT = re.compile(r"(?:^|/)(out|o_proj)/kernel$")
 
 
 def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -> Optional[MatrixView]:

@@ -191,3 +191,8 @@ def test_describe_lists_every_leaf_and_totals():
   fc_flops = mo.newton_schulz_flops(16, 64, 5)
   assert f"{fc_flops:,}" in table
   assert "muon:" in table and "adam:" in table and "Newton–Schulz flops per step" in table
+
+
+def test_attention_out_kernel_is_recognized_wherever_the_module_sits():
+  view = mo.default_view("encoder/sa/out/kernel", (2, 8, 16))
+  assert view.matrix_shape((2, 8, 16)) == (1, 16, 16)
