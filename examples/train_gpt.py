@@ -117,8 +117,11 @@ def make_model(cfg: TrainConfig) -> GPT:
              rngs=nnx.Rngs(cfg.seed))
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None
+                   ) -> optax.GradientTransformation:
   """Muon (+ aux AdamW) or AdamW, both clipped and both on a warmup+cosine schedule.
+
+  With a mesh, Muon orthogonalizes whole matrices dealt over its devices.
 
   Weight decay is applied to the hidden matrices only (those `mo.label_params` sends to
   Muon), so both optimizers decay the same parameters.
@@ -126,7 +129,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   hidden = lambda params: jax.tree.map(lambda l: l == "muon", mo.label_params(params))
   adam_lr = lr_schedule(cfg.adam_lr, cfg)
   if cfg.optimizer == "muon":
-    tx = mo.muon(lr_schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay,
+    tx = mo.muon(lr_schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay, mesh=mesh,
                  adam=mo.AuxAdam(learning_rate=adam_lr, b1=0.9, b2=0.95))
   elif cfg.optimizer == "adamw":
     tx = optax.adamw(adam_lr, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=hidden)
@@ -164,16 +167,22 @@ def data_mesh(devices: int) -> Optional[jax.sharding.Mesh]:
                        devices=jax.devices()[:devices])
 
 
-def place_data_parallel(mesh: Optional[jax.sharding.Mesh], *modules: nnx.Module
-                        ) -> Callable[[np.ndarray], jax.Array]:
-  """Replicates the modules' state over `mesh` and returns the function that puts a
-  host batch on the devices, split along "data"; XLA inserts the gradient all-reduce.
-  Without a mesh, batches simply go to the default device."""
+def place_data_parallel(mesh: Optional[jax.sharding.Mesh], model: nnx.Module,
+                        optimizer: nnx.Optimizer) -> Callable[[np.ndarray], jax.Array]:
+  """ZeRO-1 on `mesh`: replicates the model, splits the optimizer state along "data"
+  (`mo.state_shardings`), and returns the function that puts a host batch on the
+  devices split along "data"; XLA inserts the gradient all-reduce. Without a mesh,
+  batches simply go to the default device."""
   if mesh is None:
     return jnp.asarray
-  replicated = NamedSharding(mesh, P())
-  for module in modules:
-    nnx.update(module, jax.device_put(nnx.state(module), replicated))
+  params = jax.device_put(nnx.state(model), NamedSharding(mesh, P()))
+  nnx.update(model, params)
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  shardings = mo.state_shardings(optimizer.tx, nnx.as_pure(nnx.state(model, nnx.Param)), mesh)
+  for var, sharding in zip(jax.tree.leaves(optimizer.opt_state, is_leaf=is_var),
+                           jax.tree.leaves(shardings)):
+    var.set_value(jax.device_put(var.get_value(), sharding))
+  optimizer.step.set_value(jax.device_put(optimizer.step.get_value(), NamedSharding(mesh, P())))
   return lambda batch: jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
@@ -222,7 +231,7 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
   if cfg.batch % cfg.devices:
     raise ValueError(f"--batch {cfg.batch} must be a multiple of --devices {cfg.devices}.")
   model = make_model(cfg)
-  optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, make_optimizer(cfg, mesh), wrt=nnx.Param)
   shard = place_data_parallel(mesh, model, optimizer)
 
   @nnx.jit
