@@ -138,20 +138,6 @@ def make_optimizer(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None
   return optax.chain(optax.clip_by_global_norm(1.0), tx)
 
 
-def newton_schulz_flops_per_step(params: Any, ns_steps: int = 5) -> int:
-  """Newton–Schulz flops of one Muon update: the sum over leaves labelled "muon"."""
-  total = 0
-  for (path, leaf), label in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                                 jax.tree.leaves(mo.label_params(params))):
-    if label == "muon":
-      # The path as the routing sees it: dict keys and list indices, no `.value`.
-      name = "/".join(str(k.key if hasattr(k, "key") else k.idx) for k in path
-                      if not isinstance(k, jax.tree_util.GetAttrKey))
-      count, m, n = mo.default_view(name, leaf.shape).matrix_shape(leaf.shape)
-      total += count * mo.newton_schulz_flops(m, n, ns_steps)
-  return total
-
-
 def data_mesh(devices: int) -> Optional[jax.sharding.Mesh]:
   """A 1-D "data" mesh over the first `devices` devices, or None for one device."""
   if devices <= 1:
@@ -306,7 +292,7 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
       "optimizer": cfg.optimizer,
       "config": dataclasses.asdict(cfg),
       "params": n_params,
-      "ns_flops_per_step": newton_schulz_flops_per_step(params) if cfg.optimizer == "muon" else 0,
+      "ns_flops_per_step": mo.newton_schulz_cost(params) if cfg.optimizer == "muon" else 0,
       "train_flops_per_step": 6 * n_params * tokens_per_step,
       "steps": cfg.steps,
       "start_step": start_step,

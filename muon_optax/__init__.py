@@ -12,7 +12,8 @@ from muon_optax._newton_schulz import (
     PRESETS, gram_newton_schulz_flops, newton_schulz, newton_schulz_flops)
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
-from muon_optax._routing import DEFAULT_RULES, default_rule, describe, label_params
+from muon_optax._routing import (DEFAULT_RULES, default_rule, describe, label_params,
+                                 newton_schulz_cost)
 from muon_optax._scaling import scale_by_shape
 from muon_optax._state_sharding import state_shardings
 from muon_optax import checkpoint  # Orbax is imported on first use
@@ -45,6 +46,7 @@ __all__ = [
     "max_logits",
     "muon",
     "newton_schulz",
+    "newton_schulz_cost",
     "newton_schulz_flops",
     "offload_state",
     "orthogonalize",

@@ -125,18 +125,13 @@ def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[st
   _paths.map_with_path(lambda p, x, l: check(p, x, l), params, label_tree)
 
 
-def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
-             per_head: bool = False, ns_steps: int = 5) -> str:
-  """The routing table: path, shape, label, matrix view and Newton–Schulz flops per leaf.
-
-  Example:
-    >>> import jax.numpy as jnp, muon_optax as mo
-    >>> print(mo.describe({"w": jnp.ones((4, 8)), "b": jnp.ones(8)}))  # doctest: +SKIP
-  """
+def _rows(params: Any, labels: Labels, views: Optional[ViewFn], per_head: bool,
+          ns_steps: int) -> list[tuple[str, tuple[int, ...], str, str, int]]:
+  """(path, shape, label, matrix view, Newton–Schulz flops) of every leaf."""
   views = views or (lambda p, s: default_view(p, s, per_head=per_head))
   label_tree = resolve_labels(labels, params)
   check_labels(label_tree, params, views, LABELS)
-  rows, totals = [], {}
+  rows = []
   for (path, leaf), (_, label) in zip(_paths.leaves_with_path(params),
                                        _paths.leaves_with_path(label_tree)):
     shape = tuple(np.shape(leaf))
@@ -145,6 +140,32 @@ def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = No
       v = views(path, shape)
       count, fan_in, fan_out = v.matrix_shape(shape)
       view, flops = v.describe(shape), count * newton_schulz_flops(fan_in, fan_out, ns_steps)
+    rows.append((path, shape, label, view, flops))
+  return rows
+
+
+def newton_schulz_cost(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
+                       per_head: bool = False, ns_steps: int = 5) -> int:
+  """Newton–Schulz flops of one Muon update of `params` (the total `describe` prints).
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}) == mo.newton_schulz_flops(4, 8, 5)
+    True
+  """
+  return sum(row[-1] for row in _rows(params, labels, views, per_head, ns_steps))
+
+
+def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
+             per_head: bool = False, ns_steps: int = 5) -> str:
+  """The routing table: path, shape, label, matrix view and Newton–Schulz flops per leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> print(mo.describe({"w": jnp.ones((4, 8)), "b": jnp.ones(8)}))  # doctest: +SKIP
+  """
+  rows, totals = [], {}
+  for path, shape, label, view, flops in _rows(params, labels, views, per_head, ns_steps):
     n, f = totals.get(label, (0, 0))
     totals[label] = (n + int(np.prod(shape)), f + flops)
     rows.append((path, "×".join(map(str, shape)) or "()", label, view, f"{flops:,}" if flops else ""))
