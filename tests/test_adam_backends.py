@@ -275,3 +275,35 @@ def test_offload_keeps_the_state_sharding():
       assert leaf.sharding.memory_kind == "pinned_host"
       assert leaf.sharding.spec[0] == "data"
   assert step._cache_size() == 1  # the state from init and from a step compile alike
+
+
+def test_mixed_dtypes_and_bfloat16_moments():
+  """bfloat16 and float32 leaves: one flat buffer per dtype, bfloat16 first moments kept."""
+  params = {"a": jnp.linspace(-1, 1, 12, dtype=jnp.bfloat16).reshape(3, 4),
+            "b": jnp.linspace(0, 1, 5, dtype=jnp.float32), "c": jnp.ones(7, jnp.bfloat16)}
+  grads = jax.tree.map(lambda p: jnp.cos(p * 3), params)
+  txs = {b: mo.adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.bfloat16, backend=b) for b in mo.BACKENDS}
+
+  @jax.jit
+  def two_steps():
+    out = {}
+    for name, tx in txs.items():
+      p, s = params, tx.init(params)
+      for _ in range(2):
+        u, s = tx.update(grads, s, p)
+        p = optax.apply_updates(p, u)
+      out[name] = (p, s)
+    return out
+
+  out = two_steps()
+  flat_state = out["flat"][1]
+  assert {k: (v.shape, v.dtype) for k, v in flat_state.mu.items()} == {
+      "bfloat16": ((19,), jnp.bfloat16), "float32": ((5,), jnp.bfloat16)}
+  assert flat_state.nu["bfloat16"].dtype == jnp.bfloat16 and flat_state.nu["float32"].dtype == jnp.float32
+  for name, (p, s) in out.items():
+    assert jax.tree.map(lambda x: x.dtype, p) == jax.tree.map(lambda x: x.dtype, params)
+    assert_trees_close(p, out["reference"][0], rtol=0, atol=1e-2 if name == "optax" else 0)
+  # flat -> reference -> flat is lossless, dtypes included.
+  round_trip = mo.convert_adam_state(mo.convert_adam_state(flat_state, params, "reference"), params, "flat")
+  assert_trees_close(round_trip, flat_state, rtol=0, atol=0)
+  assert jax.tree.map(lambda x: x.dtype, round_trip) == jax.tree.map(lambda x: x.dtype, flat_state)
