@@ -12,8 +12,6 @@ on with `block_until_ready`; the arms take turns step by step. Prints the median
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 
@@ -22,17 +20,7 @@ import jax.numpy as jnp
 import optax
 
 import muon_optax as mo
-
-
-def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return (f"{cpu}, {os.cpu_count()} CPU cores visible; jax {jax.__version__} on "
-          f"{jax.devices()[0].device_kind} ({jax.default_backend()}); optax {optax.__version__}")
+from _machine import machine
 
 
 def make_step(tx: optax.GradientTransformation, params):

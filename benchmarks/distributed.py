@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 
 MAX_DEVICES = 8
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -28,6 +27,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
+from _machine import machine  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 def gpt2_small_tree(layers: int, d: int = 768, vocab: int = 50304) -> dict:
@@ -79,9 +79,8 @@ def main():
   p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
   args = p.parse_args()
   params = gpt2_small_tree(args.layers)
-  print(f"GPT-2-small-shaped tree, {args.layers} layers; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, jax {jax.__version__}, optax {optax.__version__}, "
-        f"{MAX_DEVICES} simulated CPU devices available")
+  print(f"GPT-2-small-shaped tree, {args.layers} layers, {MAX_DEVICES} simulated CPU devices; "
+        f"{machine()}")
   header = (f"{'layout':<6} {'dev':>3} {'optimizer':<18} {'GFLOP/device':>12} {'vs 1/n':>7} "
             f"{'collectives':>11} {'coll. MB':>9} {'state MB/device':>15}")
   print(header + "\n" + "-" * len(header))

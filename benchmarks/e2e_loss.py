@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import pathlib
-import platform
 import sys
 import time
 
@@ -35,7 +33,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 from gpt import GPT, GPTConfig, loss_fn, num_params  # noqa: E402
 from stdlib_text import batches, load_splits  # noqa: E402
 
-import muon_optax as mo  # noqa: E402
+import muon_optax as mo
+from _machine import machine  # noqa: E402  (benchmarks/ is on sys.path)
 
 # Model shapes and batch sizes (batch, sequence length) of each preset.
 PRESETS = {
@@ -56,17 +55,6 @@ ARMS = [
     ("Muon + AdamW", "offload", False),
     ("Muon + AdamW, Muon momentum offloaded", "offload", True),
 ]
-
-
-def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return (f"{cpu}, {os.cpu_count()} CPU cores visible; jax {jax.__version__} on "
-          f"{jax.devices()[0].device_kind} ({jax.default_backend()})")
 
 
 def commit(tree):
