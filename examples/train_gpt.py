@@ -163,11 +163,11 @@ def place_data_parallel(mesh: Optional[jax.sharding.Mesh], model: nnx.Module,
     return jnp.asarray
   params = jax.device_put(nnx.state(model), NamedSharding(mesh, P()))
   nnx.update(model, params)
-  is_var = lambda x: isinstance(x, nnx.Variable)
-  shardings = mo.state_shardings(optimizer.tx, nnx.as_pure(nnx.state(model, nnx.Param)), mesh)
-  for var, sharding in zip(jax.tree.leaves(optimizer.opt_state, is_leaf=is_var),
-                           jax.tree.leaves(shardings)):
-    var.set_value(jax.device_put(var.get_value(), sharding))
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  shardings = mo.state_shardings(optimizer.tx, params, mesh)
+  # A fresh state, made in place on the mesh; nnx.state maps it onto the optimizer's.
+  nnx.update(optimizer.opt_state,
+             nnx.state(jax.jit(optimizer.tx.init, out_shardings=shardings)(params)))
   optimizer.step.set_value(jax.device_put(optimizer.step.get_value(), NamedSharding(mesh, P())))
   return lambda batch: jax.device_put(batch, NamedSharding(mesh, P("data")))
 
