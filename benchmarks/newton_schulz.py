@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import platform
 import statistics
 import time
 
@@ -35,6 +33,7 @@ import optax
 import optax.contrib
 
 import muon_optax as mo
+from _machine import machine
 from muon_optax._newton_schulz import coefficient_schedule
 
 # optax 0.2.8 keeps its orthogonalization in optax.contrib._muon (not re-exported).
@@ -43,18 +42,6 @@ optax_orthogonalize = getattr(optax.contrib, "orthogonalize_via_newton_schulz", 
 
 STEPS = 5
 PEAK_N = 2048
-
-
-def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} CPU cores "
-          f"visible; jax {jax.__version__} on {jax.devices()[0].device_kind} "
-          f"({jax.default_backend()}); optax {optax.__version__}")
 
 
 def arms(shape):

@@ -20,8 +20,6 @@ per parameter (all parameters, and the Muon kernels alone), with the machine it 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 
@@ -32,22 +30,11 @@ import optax
 import optax.contrib
 
 import muon_optax as mo
+from _machine import machine
 
 D, VOCAB, CTX = 768, 50257, 1024
 KERNELS = {"attn/qkv": (D, 3 * D), "attn/proj": (D, D), "mlp/fc": (D, 4 * D),
            "mlp/fc_proj": (4 * D, D)}
-
-
-def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} CPU cores "
-          f"visible; jax {jax.__version__} on {jax.devices()[0].device_kind} "
-          f"({jax.default_backend()}); optax {optax.__version__}")
 
 
 def gpt2_params(layers: int, key) -> dict:
