@@ -45,16 +45,11 @@ def contrib_dimension_numbers(params):
 
 
 def layout(params, mesh, kind: str):
-  def spec(x):
-    if kind == "zero1":
-      return P()
-    dims = [d for d in range(len(x.shape)) if x.shape[d] % mesh.size == 0]
-    out = [None] * len(x.shape)
-    if dims:
-      out[max(dims, key=lambda d: x.shape[d])] = "data"
-    return P(*out)
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec(x))), params)
+  """ZeRO-1: params replicated; FSDP: split along "data" (`mo.fsdp_shardings`)."""
+  shardings = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if kind == "zero1"
+               else mo.fsdp_shardings(params, mesh))
+  return jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
+                      params, shardings)
 
 
 def measure(tx, params, mesh):

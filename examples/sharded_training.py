@@ -50,16 +50,6 @@ import stdlib_text  # noqa: E402
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
 
-def fsdp_spec(x, size: int) -> P:
-  """Split the largest dimension the data axis divides; small or odd leaves stay whole."""
-  dims = [d for d in range(x.ndim) if x.shape[d] % size == 0]
-  if not dims:
-    return P()
-  spec = [None] * x.ndim
-  spec[max(dims, key=lambda d: x.shape[d])] = "data"
-  return P(*spec)
-
-
 def device_bytes(tree, device) -> int:
   return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
              if s.device == device)
@@ -68,9 +58,8 @@ def device_bytes(tree, device) -> int:
 def train(layout: str, mesh, data) -> dict:
   cfg = GPTConfig(seq_len=ARGS.seq_len, d_model=ARGS.d_model, layers=ARGS.layers, heads=ARGS.heads)
   graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
-  size = mesh.shape["data"]
-  param_sharding = jax.tree.map(
-      lambda x: NamedSharding(mesh, P() if layout == "zero1" else fsdp_spec(x, size)), params)
+  param_sharding = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+                    if layout == "zero1" else mo.fsdp_shardings(params, mesh))
   params = jax.device_put(params, param_sharding)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    mo.muon(ARGS.lr, mesh=mesh, adam=mo.AuxAdam(ARGS.adam_lr, b2=0.95)))

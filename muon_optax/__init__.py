@@ -15,7 +15,7 @@ from muon_optax._qk_clip import qk_clip
 from muon_optax._routing import (DEFAULT_RULES, default_rule, describe, label_params,
                                  newton_schulz_cost)
 from muon_optax._scaling import scale_by_shape
-from muon_optax._state_sharding import state_shardings
+from muon_optax._state_sharding import fsdp_shardings, state_shardings
 from muon_optax import checkpoint  # Orbax is imported on first use
 
 __version__ = "0.1.0"
@@ -39,6 +39,7 @@ __all__ = [
     "default_view",
     "describe",
     "from_matrices",
+    "fsdp_shardings",
     "gram_newton_schulz_flops",
     "head_max_logits",
     "label_params",

@@ -22,6 +22,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._newton_schulz import newton_schulz_flops
+from muon_optax._state_sharding import check_data_axis
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
 
@@ -67,10 +68,7 @@ def per_device_flops(shapes: list[tuple[int, int, int]], devices: int, steps: in
 
 def mesh_axes(mesh: Mesh, data_axis: str) -> tuple[str, ...]:
   """All mesh axes, data axis first: the matrices are dealt over every device."""
-  if data_axis not in mesh.axis_names:
-    raise ValueError(
-        f"data axis {data_axis!r} is not an axis of the mesh {dict(mesh.shape)}; pass "
-        "data_axis= one of its axis names.")
+  check_data_axis(mesh, data_axis)
   return (data_axis,) + tuple(a for a in mesh.axis_names if a != data_axis)
 
 

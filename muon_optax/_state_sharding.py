@@ -13,6 +13,13 @@ from jax.sharding import PartitionSpec as P
 from muon_optax import _paths
 
 
+def check_data_axis(mesh: Mesh, data_axis: str) -> None:
+  if data_axis not in mesh.axis_names:
+    raise ValueError(
+        f"data axis {data_axis!r} is not an axis of the mesh {dict(mesh.shape)}; pass "
+        "data_axis= one of its axis names.")
+
+
 def _param_specs(params: Any, mesh: Mesh) -> dict[str, P]:
   """PartitionSpec of every param that carries a NamedSharding on `mesh`, by path."""
   specs = {}
@@ -78,10 +85,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     >>> shardings = mo.state_shardings(tx, params, mesh)
     >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
   """
-  if data_axis not in mesh.axis_names:
-    raise ValueError(
-        f"data axis {data_axis!r} is not an axis of the mesh {dict(mesh.shape)}; pass "
-        "data_axis= one of its axis names.")
+  check_data_axis(mesh, data_axis)
   param_specs = _param_specs(params, mesh)
   param_shapes = {p: tuple(np.shape(x)) for p, x in _paths.leaves_with_path(params)}
   abstract = jax.eval_shape(tx.init, params)
@@ -98,3 +102,17 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     return NamedSharding(mesh, _add_data_axis(shape, spec, mesh, data_axis))
 
   return _paths.map_with_path(sharding, abstract)
+
+
+def fsdp_shardings(params: Any, mesh: Mesh, data_axis: str = "data") -> Any:
+  """FSDP / ZeRO-3 layout of `params`: each leaf split along `data_axis` on its largest
+  dimension that the axis size divides; leaves with none stay replicated.
+
+  Example:
+    >>> shardings = mo.fsdp_shardings(params, mesh)  # doctest: +SKIP
+    >>> params = jax.device_put(params, shardings)
+  """
+  check_data_axis(mesh, data_axis)
+  return _paths.map_with_path(
+      lambda path, x: NamedSharding(mesh, _add_data_axis(tuple(np.shape(x)), P(), mesh, data_axis)),
+      params)

@@ -32,16 +32,6 @@ def small_tree(key=0):
           "ln": {"scale": jnp.ones(32)}}
 
 
-def fsdp_spec(x, axis="data", size=8):
-  """Shard the largest dimension the axis divides (the layout FSDP users pick)."""
-  dims = [d for d in range(x.ndim) if x.shape[d] % size == 0]
-  if not dims:
-    return P()
-  spec = [None] * x.ndim
-  spec[max(dims, key=lambda d: x.shape[d])] = axis
-  return P(*spec)
-
-
 def run_steps(tx, params, steps, shard=None):
   """`steps` updates; with `shard` = (mesh, param_shardings) everything is placed on the mesh."""
   grads = [jax.tree.map(lambda p: jax.random.normal(jax.random.key(10 + s), p.shape), params)
@@ -72,7 +62,7 @@ def test_matches_single_device_over_five_steps(layout, types):
   if layout == "zero1":
     pshard = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
   else:
-    pshard = jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x)), params)
+    pshard = mo.fsdp_shardings(params, mesh)
   want_p, want_s = run_steps(optimizer(), params, 5)
   got_p, got_s = run_steps(optimizer(mesh), params, 5, (mesh, pshard))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
