@@ -337,11 +337,24 @@ def _groups(tree: Any) -> dict[str, list[tuple[int, Any]]]:
   return groups
 
 
+def _whole(x: jax.Array) -> jax.Array:
+  """`x` replicated if it is split over Explicit mesh axes, where raveling a split array
+  (or reshaping a split buffer) is a ShardingTypeError: the flat layout cannot keep a
+  leaf's split, so on a sharded mesh prefer the "optax" backend."""
+  sharding = jax.typeof(x).sharding
+  explicit = getattr(sharding.mesh, "explicit_axes", ())
+  if explicit and any(axis is not None for axis in sharding.spec):
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+  return x
+
+
 def _ravel(xs: list) -> jax.Array:
-  return jnp.concatenate([jnp.ravel(x) for x in xs]) if len(xs) > 1 else jnp.ravel(xs[0])
+  xs = [jnp.ravel(_whole(x)) for x in xs]
+  return jnp.concatenate(xs) if len(xs) > 1 else xs[0]
 
 
 def _unravel(buf: jax.Array, shapes: list) -> list:
+  buf = _whole(buf)
   offsets, pieces = 0, []
   for shape in shapes:
     n = math.prod(shape)

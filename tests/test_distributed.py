@@ -51,24 +51,25 @@ def run_steps(tx, params, steps, shard=None):
   return params, state
 
 
-def optimizer(mesh=None):
-  return mo.muon(0.05, weight_decay=0.01, mesh=mesh, adam=mo.AuxAdam(1e-2, backend="optax"))
+def optimizer(mesh=None, backend="optax"):
+  return mo.muon(0.05, weight_decay=0.01, mesh=mesh, adam=mo.AuxAdam(1e-2, backend=backend))
 
 
-@pytest.mark.parametrize("layout, types", [("zero1", AUTO), ("fsdp", AUTO),
-                                           ("zero1", EXPLICIT), ("fsdp", EXPLICIT)])
-def test_matches_single_device_over_five_steps(layout, types):
+@pytest.mark.parametrize("layout, types, backend", [
+    ("zero1", AUTO, "optax"), ("fsdp", AUTO, "optax"), ("zero1", EXPLICIT, "optax"),
+    ("fsdp", EXPLICIT, "optax"), ("fsdp", EXPLICIT, "flat")])
+def test_matches_single_device_over_five_steps(layout, types, backend):
   mesh, params = mesh_of(types=types), small_tree()
   if layout == "zero1":
     pshard = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
   else:
     pshard = mo.fsdp_shardings(params, mesh)
-  want_p, want_s = run_steps(optimizer(), params, 5)
-  got_p, got_s = run_steps(optimizer(mesh), params, 5, (mesh, pshard))
+  want_p, want_s = run_steps(optimizer(backend=backend), params, 5)
+  got_p, got_s = run_steps(optimizer(mesh, backend), params, 5, (mesh, pshard))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
   assert_trees_close(got_s, want_s, rtol=0, atol=1e-5)
   # No resharding drift: the state keeps the layout state_shardings gave it.
-  expected = mo.state_shardings(optimizer(mesh), jax.device_put(params, pshard), mesh)
+  expected = mo.state_shardings(optimizer(mesh, backend), jax.device_put(params, pshard), mesh)
   jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(
       f"{x.sharding} != {s}"), got_s, expected)
 
