@@ -12,10 +12,10 @@ from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
 from muon_optax import _adam_backends, _paths, _routing
-from muon_optax._matrix_view import ViewFn
+from muon_optax._matrix_view import ViewFn, view_fn
 from muon_optax._momentum import scale_by_muon_momentum
 from muon_optax._newton_schulz import Schedule
-from muon_optax._orthogonalize import orthogonalize, view_fn
+from muon_optax._orthogonalize import orthogonalize
 from muon_optax._scaling import scale_by_shape
 
 ScalarOrSchedule = Union[ArrayLike, Callable[[ArrayLike], ArrayLike]]

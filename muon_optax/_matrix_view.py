@@ -67,6 +67,11 @@ def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -
   return MatrixView(lead(2), (rank - 2,), (rank - 1,))
 
 
+def view_fn(views: Optional[ViewFn], per_head: bool) -> ViewFn:
+  """The user's view function, or the default one with `per_head`."""
+  return views or (lambda path, shape: default_view(path, shape, per_head=per_head))
+
+
 def to_matrices(x: jax.Array, view: MatrixView) -> jax.Array:
   """Leaf -> (count, fan_in, fan_out)."""
   order = view.batch + view.fan_in + view.fan_out

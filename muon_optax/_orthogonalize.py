@@ -10,14 +10,9 @@ import optax
 from jax.sharding import Mesh
 
 from muon_optax import _paths
-from muon_optax._matrix_view import MatrixView, ViewFn, default_view, from_matrices, to_matrices
+from muon_optax._matrix_view import MatrixView, ViewFn, from_matrices, to_matrices, view_fn
 from muon_optax._sharded_ns import sharded_solver
 from muon_optax._newton_schulz import Schedule, coefficient_schedule, newton_schulz
-
-
-def view_fn(views: Optional[ViewFn], per_head: bool) -> ViewFn:
-  """The user's view function, or the default one with `per_head`."""
-  return views or (lambda path, shape: default_view(path, shape, per_head=per_head))
 
 
 def matrix_view_of(views: ViewFn, path: str, leaf: Any) -> MatrixView:

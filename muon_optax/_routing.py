@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from muon_optax import _paths
-from muon_optax._matrix_view import ViewFn, default_view
+from muon_optax._matrix_view import ViewFn, view_fn
 from muon_optax._newton_schulz import newton_schulz_flops
 
 MUON, ADAM, FROZEN = "muon", "adam", "frozen"
@@ -128,7 +128,7 @@ def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[st
 def _rows(params: Any, labels: Labels, views: Optional[ViewFn], per_head: bool,
           ns_steps: int) -> list[tuple[str, tuple[int, ...], str, str, int]]:
   """(path, shape, label, matrix view, Newton–Schulz flops) of every leaf."""
-  views = views or (lambda p, s: default_view(p, s, per_head=per_head))
+  views = view_fn(views, per_head)
   label_tree = resolve_labels(labels, params)
   check_labels(label_tree, params, views, LABELS)
   rows = []

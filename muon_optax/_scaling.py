@@ -9,8 +9,8 @@ import jax
 import optax
 
 from muon_optax import _paths
-from muon_optax._matrix_view import ViewFn
-from muon_optax._orthogonalize import matrix_view_of, view_fn
+from muon_optax._matrix_view import ViewFn, view_fn
+from muon_optax._orthogonalize import matrix_view_of
 
 SCALES = ("jordan", "moonlight", None)
 

@@ -35,8 +35,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax import _adam_backends, _paths, _routing, _state_sharding
-from muon_optax._matrix_view import ViewFn
-from muon_optax._orthogonalize import view_fn
+from muon_optax._matrix_view import ViewFn, view_fn
 
 __all__ = ["Checkpointer", "Restored", "abstract_target"]
 
