@@ -1,13 +1,12 @@
 """muon_optax: Muon (momentum orthogonalized by Newton–Schulz) as composable Optax transforms."""
 
-from muon_optax._adam_backends import (
-    BACKENDS, FlatAdamState, OffloadAdamState, ReferenceAdamState, adamw, convert_adam_state,
-    offload_state, resolve_backend)
+from muon_optax._adamw import BACKENDS, OffloadAdamState, ReferenceAdamState, adamw
 from muon_optax._alias import AuxAdam, muon, scale_by_muon
-from muon_optax._attention import ClipAttention, head_max_logits, max_logit_attention, max_logits
+from muon_optax._convert import convert_adam_state
 from muon_optax._hlo import collective_stats
 from muon_optax._matrix_view import MatrixView, default_view, from_matrices, to_matrices
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
+from muon_optax._offload import offload_state
 from muon_optax._newton_schulz import (
     PRESETS, gram_newton_schulz_flops, newton_schulz, newton_schulz_flops)
 from muon_optax._orthogonalize import orthogonalize
@@ -20,13 +19,20 @@ from muon_optax import checkpoint  # Orbax is imported on first use
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+  # muon_optax.nnx imports Flax, so it loads on first use: `mo.nnx.ClipAttention`.
+  if name == "nnx":
+    import importlib
+    return importlib.import_module("muon_optax.nnx")
+  raise AttributeError(f"module 'muon_optax' has no attribute {name!r}")
+
+
 __all__ = [
     "AuxAdam",
     "BACKENDS",
-    "ClipAttention",
     "checkpoint",
     "DEFAULT_RULES",
-    "FlatAdamState",
     "MatrixView",
     "MuonMomentumState",
     "OffloadAdamState",
@@ -41,10 +47,7 @@ __all__ = [
     "from_matrices",
     "fsdp_shardings",
     "gram_newton_schulz_flops",
-    "head_max_logits",
     "label_params",
-    "max_logit_attention",
-    "max_logits",
     "muon",
     "newton_schulz",
     "newton_schulz_cost",
@@ -52,7 +55,6 @@ __all__ = [
     "offload_state",
     "orthogonalize",
     "qk_clip",
-    "resolve_backend",
     "scale_by_muon",
     "scale_by_muon_momentum",
     "scale_by_shape",

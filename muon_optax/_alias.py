@@ -11,7 +11,7 @@ import optax
 from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
-from muon_optax import _adam_backends, _paths, _routing
+from muon_optax import _adamw, _offload, _paths, _routing
 from muon_optax._matrix_view import ViewFn, view_fn
 from muon_optax._momentum import scale_by_muon_momentum
 from muon_optax._newton_schulz import Schedule
@@ -76,10 +76,10 @@ class AuxAdam:
   mask: Mask = None
   nesterov: bool = False
   mu_dtype: Optional[Any] = None
-  backend: str = "auto"  # "optax", "flat", "offload", "reference" or "auto"; see `adamw`.
+  backend: str = "optax"  # "optax", "offload" or "reference"; see `adamw`.
 
   def transform(self) -> optax.GradientTransformation:
-    return _adam_backends.adamw(
+    return _adamw.adamw(
         self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
         weight_decay=self.weight_decay, mask=branch_mask(self.mask),
         nesterov=self.nesterov, mu_dtype=self.mu_dtype, backend=self.backend)
@@ -129,8 +129,8 @@ def muon(
     scale: "jordan", "moonlight" or None (see `scale_by_shape`).
     weight_decay, weight_decay_mask: decoupled weight decay of the Muon branch.
     adam: `AuxAdam` settings, or any optax transform, for the non-Muon leaves.
-    adam_backend: overrides `adam.backend`: "optax", "flat", "offload", "reference"
-      or "auto" (see `adamw`; `convert_adam_state` moves a state between them).
+    adam_backend: overrides `adam.backend`: "optax", "offload" or "reference" (see
+      `adamw`; `convert_adam_state` moves a state between them).
     offload_momentum: keep the Muon momentum in host memory between steps (see
       `offload_state`); Newton–Schulz still sees whole matrices on the device.
     labels: None (default rules), a list of rules, a callable params -> labels, or
@@ -168,7 +168,7 @@ def muon(
       optax.scale_by_learning_rate(learning_rate),
   )
   if offload_momentum:
-    muon_branch = _adam_backends.offload_state(muon_branch)
+    muon_branch = _offload.offload_state(muon_branch)
   adam = AuxAdam() if adam is None else adam
   if adam_backend is not None:
     if not isinstance(adam, AuxAdam):

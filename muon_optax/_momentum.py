@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 import optax

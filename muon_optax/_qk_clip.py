@@ -11,7 +11,26 @@ import optax
 from jax.typing import ArrayLike
 
 from muon_optax import _paths
-from muon_optax._attention import max_logits as collect_max_logits
+
+MAX_LOGITS = "max_logits"  # the name under which attention modules sow S_h
+
+
+def collect_max_logits(tree: Any) -> dict[str, jax.Array]:
+  """{attention module path: S_h} from a pytree of sown max logits.
+
+  A leaf whose path contains `max_logits` belongs to the module above that name (so
+  `nnx.Intermediate` state from `nnx.capture` reads as it is, without Flax here), any
+  other leaf to its own path. A module that sowed several times (called more than
+  once) gets the elementwise max of its entries.
+  """
+  out: dict[str, jax.Array] = {}
+  for path, leaf in _paths.leaves_with_path(tree):
+    parts = path.split("/")
+    if MAX_LOGITS in parts:
+      path = "/".join(parts[:len(parts) - 1 - parts[::-1].index(MAX_LOGITS)])
+    out[path] = leaf if path not in out else jnp.maximum(out[path], leaf)
+  return out
+
 
 # (query suffix, key suffix) of '/'-joined parameter paths; the path before the suffix
 # is the attention module's path, the key under which its max logits are passed.
@@ -125,7 +144,7 @@ def qk_clip(
   from attention module path (the parameter path before the q/k suffix, '/'-joined or
   nested) to a (heads,) array, or (layers, heads) for a scanned stack of layers whose
   kernels have the leading layer axis. The `nnx.Intermediate` state sown by
-  `ClipAttention` may be passed as it is (see `max_logits`).
+  `muon_optax.nnx.ClipAttention` may be passed as it is (see `muon_optax.nnx.max_logits`).
 
   Args:
     tau: the logit cap τ > 0 (Kimi K2: 100).
@@ -164,7 +183,7 @@ def qk_clip(
       raise ValueError(
           "qk_clip needs the per-head max logits: call update(updates, state, params, "
           "max_logits={attention module path: (heads,) array}), e.g. from "
-          "mo.max_logits(intermediates) of ClipAttention modules.")
+          "muon_optax.nnx.max_logits(intermediates) of ClipAttention modules.")
     flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_paths.is_masked)
     masked = {_paths.path_str(p) for p, x in flat if _paths.is_masked(x)}
     param_of = dict(_paths.leaves_with_path(params))

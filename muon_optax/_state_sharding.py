@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import jax
 import numpy as np
@@ -39,6 +39,22 @@ def _spec_axes(spec: P) -> set[str]:
   for entry in spec:
     used.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
   return used
+
+
+def mirrored_param(path: str, shape: tuple[int, ...], param_shapes: Mapping[str, tuple[int, ...]]
+                   ) -> Optional[str]:
+  """The parameter that the state leaf at `path` mirrors, or None.
+
+  A state leaf mirrors a parameter (momentum, Adam moments) when a suffix of its '/'-joined
+  path names a parameter of the same shape; the longest such suffix wins, so
+  `.../mu/blocks/0/kernel` mirrors `blocks/0/kernel`, not a parameter named `0/kernel`.
+  """
+  parts = path.split("/")
+  for k in range(len(parts)):
+    suffix = "/".join(parts[k:])
+    if suffix in param_shapes and tuple(param_shapes[suffix]) == tuple(shape):
+      return suffix
+  return None
 
 
 def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, data_axis: str) -> P:
@@ -92,13 +108,8 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
 
   def sharding(path: str, leaf: Any) -> NamedSharding:
     shape = tuple(leaf.shape)
-    spec = P()
-    parts = path.split("/")
-    for k in range(len(parts)):  # longest suffix that names a parameter of this shape
-      suffix = "/".join(parts[k:])
-      if param_shapes.get(suffix) == shape:
-        spec = param_specs.get(suffix, P())
-        break
+    param = mirrored_param(path, shape, param_shapes)
+    spec = P() if param is None else param_specs.get(param, P())
     return NamedSharding(mesh, _add_data_axis(shape, spec, mesh, data_axis))
 
   return _paths.map_with_path(sharding, abstract)

@@ -1,4 +1,7 @@
-"""Attention that records each head's largest pre-softmax logit, the input of QK-clip."""
+"""Flax NNX pieces for QK-clip: attention that records each head's largest pre-softmax logit.
+
+`muon_optax.nnx` is the only module that imports Flax; `import muon_optax` does not.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from muon_optax import _paths
+from muon_optax._qk_clip import MAX_LOGITS, collect_max_logits
 
-MAX_LOGITS = "max_logits"  # the name under which attention modules sow S_h
+__all__ = ["ClipAttention", "head_max_logits", "max_logit_attention", "max_logits"]
 
 
 def head_max_logits(query: jax.Array, key: jax.Array, mask: Optional[jax.Array] = None, *,
@@ -62,9 +65,10 @@ def max_logit_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   QK-clip controls.
 
   Example:
-    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> import jax.numpy as jnp
+    >>> from muon_optax.nnx import max_logit_attention
     >>> q = k = v = jnp.ones((2, 5, 4, 8))        # (batch, length, heads, head_dim)
-    >>> mo.max_logit_attention(q, k, v).shape
+    >>> max_logit_attention(q, k, v).shape
     (2, 5, 4, 8)
   """
   if dtype is not None:
@@ -104,11 +108,12 @@ class ClipAttention(nnx.MultiHeadAttention):
       `decode`, no `num_kv_heads`).
 
   Example:
-    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> attn = mo.ClipAttention(4, 32, rngs=nnx.Rngs(0))
+    >>> from muon_optax.nnx import ClipAttention, max_logits
+    >>> attn = ClipAttention(4, 32, rngs=nnx.Rngs(0))
     >>> y, inter = nnx.capture(attn, nnx.Intermediate)(jnp.ones((2, 10, 32)))
-    >>> mo.max_logits(inter)[""].shape
+    >>> max_logits(inter)[""].shape
     (4,)
 
   References:
@@ -135,14 +140,9 @@ def max_logits(intermediates: Any) -> dict[str, jax.Array]:
   several times (called more than once) gets the elementwise max of its entries.
 
   Example:
-    >>> import jax.numpy as jnp, muon_optax as mo
-    >>> mo.max_logits({"attn": {"max_logits": (jnp.array([1., 5.]), jnp.array([3., 2.]))}})
+    >>> import jax.numpy as jnp
+    >>> from muon_optax.nnx import max_logits
+    >>> max_logits({"attn": {"max_logits": (jnp.array([1., 5.]), jnp.array([3., 2.]))}})
     {'attn': Array([3., 5.], dtype=float32)}
   """
-  out: dict[str, jax.Array] = {}
-  for path, leaf in _paths.leaves_with_path(nnx.as_pure(intermediates)):
-    parts = path.split("/")
-    if MAX_LOGITS in parts:
-      path = "/".join(parts[:len(parts) - 1 - parts[::-1].index(MAX_LOGITS)])
-    out[path] = leaf if path not in out else jnp.maximum(out[path], leaf)
-  return out
+  return collect_max_logits(nnx.as_pure(intermediates))

@@ -1,0 +1,268 @@
+"""The aux AdamW, computed by one of three interchangeable backends.
+
+Every backend computes the same AdamW (decoupled weight decay with a mask, optional
+Nesterov, learning rate and weight decay constant or scheduled); they differ only in
+where the two moments are stored and who writes the maths:
+
+| backend     | state                    | moments                                            |
+|-------------|--------------------------|----------------------------------------------------|
+| "optax"     | `optax.ScaleByAdamState` | optax's own `scale_by_adam`, fused by XLA per leaf |
+| "offload"   | `OffloadAdamState`       | in host memory, brought to the device for a step   |
+| "reference" | `ReferenceAdamState`     | AdamW written out here, the test oracle            |
+
+The three states hold the same (count, mu, nu) trees, shaped like the params, so
+`convert_adam_state` moves a state between backends and a checkpoint written under
+one restores under another.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from muon_optax import _offload, _paths
+
+ScalarOrSchedule = Union[ArrayLike, Callable[[ArrayLike], ArrayLike]]
+Mask = Union[None, Any, Callable[[Any], Any]]
+
+BACKENDS = ("optax", "offload", "reference")
+# Backends of earlier releases, and what to use instead.
+REMOVED = {
+    "flat": "its per-dtype buffers were no faster than optax's per-leaf update",
+    "auto": "it always chose 'optax'",
+}
+
+
+class ReferenceAdamState(NamedTuple):
+  """State of the "reference" backend."""
+  count: jax.Array  # int32 scalar: steps taken.
+  mu: optax.Updates  # first moment: params' shapes, dtype mu_dtype or the params'.
+  nu: optax.Updates  # second moment: params' shapes and dtypes (|g|² EMA, real-valued).
+
+
+class OffloadAdamState(NamedTuple):
+  """State of the "offload" backend: `ReferenceAdamState` with the moments in host memory."""
+  count: jax.Array  # int32 scalar on the device: steps taken.
+  mu: optax.Updates  # first moment, as ReferenceAdamState.mu, memory kind pinned_host.
+  nu: optax.Updates  # second moment, as ReferenceAdamState.nu, memory kind pinned_host.
+
+
+# The "optax" backend keeps optax's own documented state, optax.ScaleByAdamState.
+STATE_TYPES = {
+    "optax": optax.ScaleByAdamState,
+    "offload": OffloadAdamState,
+    "reference": ReferenceAdamState,
+}
+
+
+def check_backend(backend: Any) -> str:
+  """`backend` if it names a backend, else a ValueError saying which names exist."""
+  if isinstance(backend, str) and backend in REMOVED:
+    raise ValueError(
+        f"the AdamW backend {backend!r} was removed ({REMOVED[backend]}); use 'optax' "
+        f"(the default), 'offload' or 'reference'. A saved FlatAdamState cannot be read: "
+        "convert it with the muon_optax release that wrote it, "
+        "muon_optax.convert_adam_state(state, params, 'optax'), and save it again.")
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown AdamW backend {backend!r}; use one of {BACKENDS}.")
+  return backend
+
+
+def describe_state(state: Any) -> str:
+  """'a <type> with fields [...]', for error messages."""
+  kind = type(state).__name__
+  if hasattr(state, "_fields"):
+    return f"a {kind} with fields {list(state._fields)}"
+  if isinstance(state, Mapping):
+    return f"a {kind} with keys {list(state)}"
+  return f"a {kind}"
+
+
+def is_removed_layout(state: Any) -> bool:
+  """Whether `state` is a "flat" AdamW state of an earlier release (or its restored dicts):
+  count, and moments that are one 1-D buffer per dtype name."""
+  if type(state).__name__ == "FlatAdamState":
+    return True
+  mu = getattr(state, "mu", None)
+  if not isinstance(mu, Mapping) or not mu:
+    return False
+  try:
+    return all(isinstance(k, str) and jnp.dtype(k).name == k and jnp.ndim(v) == 1
+               for k, v in mu.items())
+  except TypeError:
+    return False
+
+
+def check_state(state: Any, backend: str) -> None:
+  """A wrong state layout becomes a ValueError here, not a KeyError deep in the update."""
+  expected = STATE_TYPES[backend]
+  if isinstance(state, expected):
+    return
+  if is_removed_layout(state):
+    check_backend("flat")
+  raise ValueError(
+      f"the AdamW backend {backend!r} expects a {expected.__name__} but got "
+      f"{describe_state(state)}. Convert the state first: "
+      f"muon_optax.convert_adam_state(state, params, {backend!r}).")
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule = 3e-4,
+    b1: ArrayLike = 0.9,
+    b2: ArrayLike = 0.999,
+    eps: ArrayLike = 1e-8,
+    weight_decay: ScalarOrSchedule = 0.0,
+    mask: Mask = None,
+    *,
+    nesterov: bool = False,
+    mu_dtype: Optional[Any] = None,
+    backend: str = "optax",
+) -> optax.GradientTransformation:
+  """AdamW with decoupled weight decay, computed by the chosen backend.
+
+      m ← b1·m + (1 − b1)·g,   v ← b2·v + (1 − b2)·|g|²,   t ← t + 1
+      m̂ = m / (1 − b1ᵗ)   (Nesterov: b1·m / (1 − b1ᵗ⁺¹) + (1 − b1)·g / (1 − b1ᵗ))
+      u = −lr(t−1)·(m̂ / (√(v / (1 − b2ᵗ)) + eps) + wd(t−1)·mask·p)
+
+  This is `optax.adamw` (with `eps_root=0`), complex leaves included: |g|² = g·ḡ is
+  real, so v keeps the params' dtype but holds real values.
+
+  Args:
+    learning_rate: a scalar or a schedule of the step count.
+    b1, b2, eps: Adam's decay rates and denominator guard.
+    weight_decay: decoupled weight decay, a scalar or a schedule.
+    mask: a pytree of bools over the params (or a prefix of them), or a callable
+      params -> such a pytree; True leaves are decayed. `optax.MaskedNode` leaves,
+      as in an `optax.partition` branch, are skipped.
+    nesterov: use Nesterov momentum (NAdamW).
+    mu_dtype: dtype of the first moment; None keeps the params'.
+    backend: "optax" (optax's `scale_by_adam`), "offload" (moments in host memory,
+      `pinned_host`, brought to the device for the step; see `offload_state`) or
+      "reference" (AdamW written out, the test oracle).
+
+  Returns:
+    An `optax.GradientTransformation` whose state is the backend's NamedTuple.
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> tx = mo.adamw(0.1, backend="reference")
+    >>> p = {"z": jnp.array([1.0 + 0j])}
+    >>> u, s = tx.update({"z": jnp.array([0.3 - 1j])}, tx.init(p), p)
+    >>> u["z"].round(4)
+    Array([-0.0287+0.0958j], dtype=complex64)
+
+  References:
+    Loshchilov & Hutter 2019, "Decoupled weight decay regularization".
+    Dozat 2016, "Incorporating Nesterov momentum into Adam".
+  """
+  backend = check_backend(backend)
+  mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+  hp = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+            mask=mask, nesterov=nesterov, mu_dtype=mu_dtype)
+  if backend == "optax":
+    return _optax_backend(hp)
+  if backend == "offload":
+    return _offload.offload_state(_written_out(hp, "offload"))
+  return _written_out(hp, "reference")
+
+
+def _at(value: ScalarOrSchedule, count: jax.Array) -> Any:
+  """A hyperparameter at step `count` (schedules are indexed from 0, as in optax)."""
+  return value(count) if callable(value) else value
+
+
+def _decays(weight_decay: ScalarOrSchedule) -> bool:
+  """False only when weight decay is statically zero, so the decay term can be skipped."""
+  return callable(weight_decay) or not (isinstance(weight_decay, (int, float)) and weight_decay == 0)
+
+
+def _decay_flags(mask: Mask, tree: Any) -> Any:
+  """`tree`'s structure with a Python bool per leaf: whether weight decay applies."""
+  if mask is None:
+    return jax.tree.map(lambda _: True, tree)
+  mask_tree = mask(tree) if callable(mask) else mask
+  # Broadcast a prefix mask over the subtrees it stands for.
+  full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub, is_leaf=_paths.is_masked),
+                      mask_tree, tree, is_leaf=_paths.is_masked)
+
+  def as_bool(m):
+    try:
+      return bool(m)
+    except jax.errors.ConcretizationTypeError:
+      raise ValueError("the weight-decay mask must hold concrete bools, not traced values") from None
+
+  return jax.tree.map(as_bool, full)
+
+
+def _leaf_step(g, m, v, p, count, lr, wd, hp):
+  """One AdamW step on one leaf -> (update, m, v); `p` None where no decay applies."""
+  b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
+  t = optax.safe_increment(count)
+  m_new = (1 - b1) * g + b1 * m
+  v_new = (1 - b2) * (g * jnp.conj(g)).real + b2 * v  # |g|², real for complex g
+  bc1 = (1 - b1 ** t).astype(m_new.dtype)
+  if hp["nesterov"]:
+    m_hat = b1 * (m_new / (1 - b1 ** optax.safe_increment(t)).astype(m_new.dtype)) + (1 - b1) * (
+        g / bc1.astype(g.dtype))
+  else:
+    m_hat = m_new / bc1
+  v_hat = v_new / (1 - b2 ** t).astype(v_new.dtype)
+  d = m_hat / (jnp.sqrt(v_hat) + eps)
+  if p is not None:
+    d = d + wd * p
+  return (-lr * d).astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
+
+
+def _written_out(hp: dict, backend: str) -> optax.GradientTransformation:
+  """AdamW written out leaf by leaf, with the state type of `backend`."""
+  state_type = STATE_TYPES[backend]
+
+  def init_fn(params):
+    return state_type(jnp.zeros([], jnp.int32),
+                      optax.tree.zeros_like(params, dtype=hp["mu_dtype"]),
+                      optax.tree.zeros_like(params))
+
+  def update_fn(updates, state, params=None):
+    check_state(state, backend)
+    count = state.count
+    lr, wd = _at(hp["learning_rate"], count), _at(hp["weight_decay"], count)
+    decays = _decays(hp["weight_decay"])
+    if decays and params is None:
+      raise ValueError("AdamW with weight decay needs params: call update(updates, state, params).")
+    flags = _decay_flags(hp["mask"], params) if decays else jax.tree.map(lambda _: False, updates)
+    params = updates if params is None else params  # unused without weight decay
+    out = jax.tree.map(lambda g, m, v, p, f: _leaf_step(g, m, v, p if f else None, count, lr, wd, hp),
+                       updates, state.mu, state.nu, params, flags)
+    treedef = jax.tree.structure(updates)
+    triples = treedef.flatten_up_to(out)
+    u, mu, nu = (jax.tree.unflatten(treedef, [t[k] for t in triples]) for k in range(3))
+    return u, state_type(optax.safe_increment(count), mu, nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _optax_backend(hp: dict) -> optax.GradientTransformation:
+  """optax's `scale_by_adam` and `add_decayed_weights`: the pieces of `optax.adamw`.
+
+  Unlike `optax.adamw`'s chain state, the schedules read the Adam count, so the state
+  is one `optax.ScaleByAdamState` whatever the settings.
+  """
+  adam = optax.scale_by_adam(hp["b1"], hp["b2"], hp["eps"], mu_dtype=hp["mu_dtype"],
+                             nesterov=hp["nesterov"])
+
+  def update_fn(updates, state, params=None):
+    check_state(state, "optax")
+    count = state.count
+    updates, state = adam.update(updates, state, params)
+    if _decays(hp["weight_decay"]):
+      decay = optax.add_decayed_weights(_at(hp["weight_decay"], count), hp["mask"])
+      updates, _ = decay.update(updates, decay.init(params), params)
+    updates = optax.scale_by_learning_rate(_at(hp["learning_rate"], count)).update(
+        updates, optax.EmptyState())[0]
+    return updates, state
+
+  return optax.GradientTransformation(adam.init, update_fn)

@@ -1,0 +1,90 @@
+"""Optimizer state kept in host memory between steps: `offload_state`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def check_host_memory() -> None:
+  """A ValueError unless the default device has a host memory space to offload into."""
+  kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+  if not kinds & {"pinned_host", "unpinned_host"}:
+    raise ValueError(
+        f"host offload needs a host memory space, but {jax.devices()[0]} offers only "
+        f"{sorted(kinds)}; use another AdamW backend or offload_momentum=False.")
+
+
+def to_host(tree: Any) -> Any:
+  """Every array of `tree` with at least one dimension moved to host memory."""
+  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host) if jnp.ndim(x) else x,
+                      tree)
+
+
+def to_device(tree: Any) -> Any:
+  """Every array of `tree` with at least one dimension moved to device memory."""
+  return jax.tree.map(
+      lambda x: jax.device_put(x, jax.memory.Space.Device) if jnp.ndim(x) else x, tree)
+
+
+def commit_scalars(state: Any) -> Any:
+  """Commits the scalar leaves (step counts) to the devices of the first array in `state`.
+
+  A fresh count is uncommitted, the one a step returns is committed; next to committed
+  host-memory arrays that difference makes jit compile the step a second time.
+  """
+  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array) and x.ndim]
+  if not leaves or isinstance(leaves[0], jax.core.Tracer):
+    return state
+  sharding = leaves[0].sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    target = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  elif len(sharding.device_set) == 1:
+    target = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+  else:
+    return state
+  return jax.tree.map(
+      lambda x: jax.device_put(x, target) if isinstance(x, jax.Array) and not x.ndim else x, state)
+
+
+def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """Keeps `inner`'s state in host memory; each update brings it in and puts it back.
+
+  Only where the state lives changes: the state type, the maths and the results are
+  `inner`'s. Scalars (step counts) stay on the device. `muon(..., offload_momentum=True)`
+  wraps the Muon branch with it (the momentum is still orthogonalized as whole matrices
+  on the device), and `adamw(backend="offload")` the AdamW moments.
+
+  Commit the params to a device before the first step (`jax.device_put(params,
+  device)`, or create them under jit): jit specializes on whether its inputs are
+  committed, and next to committed host-memory state a fresh, uncommitted input makes
+  the second step compile again.
+
+  Args:
+    inner: any optax transform.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with `inner`'s state, in memory kind
+    `pinned_host`.
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> tx = mo.offload_state(mo.scale_by_muon_momentum(0.9))
+    >>> s = tx.init({"w": jnp.ones((2, 2))})
+    >>> s.mu["w"].sharding.memory_kind
+    'pinned_host'
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    check_host_memory()
+    return commit_scalars(to_host(inner.init(params)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, state = inner.update(updates, to_device(state), params, **extra_args)
+    return updates, to_host(state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,241 @@
+"""Orbax I/O of checkpoints: `Checkpointer` and `abstract_target`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from muon_optax import _routing
+from muon_optax._matrix_view import ViewFn, view_fn
+from muon_optax._state_sharding import state_shardings
+from muon_optax.checkpoint import _record
+
+
+def _ocp():
+  try:
+    import orbax.checkpoint as ocp
+  except ImportError as e:
+    raise ImportError("muon_optax.checkpoint needs Orbax: pip install orbax-checkpoint") from e
+  return ocp
+
+
+class Restored(NamedTuple):
+  """What `Checkpointer.restore` returns."""
+  step: int
+  params: Any  # the params target's structure, shardings and dtypes
+  opt_state: Any  # the optimizer-state target's structure, shardings and dtypes
+  metadata: dict  # the `metadata` given to `save`
+
+
+# --- abstract targets ------------------------------------------------------------------
+
+def _abstract(tree: Any) -> Any:
+  """Arrays and ShapeDtypeStructs -> ShapeDtypeStructs that all carry a sharding."""
+  default = SingleDeviceSharding(jax.devices()[0])
+
+  def leaf(x):
+    sharding = getattr(x, "sharding", None) or default
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
+
+  return jax.tree.map(leaf, tree)
+
+
+def abstract_target(tx: optax.GradientTransformation, params: Any, mesh: Optional[Mesh] = None,
+                    *, data_axis: str = "data") -> tuple[Any, Any]:
+  """Abstract (params, opt_state) to restore into: shapes, dtypes and shardings only.
+
+  Without a mesh everything lands on the default device. With a mesh, a parameter
+  keeps its `NamedSharding` if it has one on this mesh (FSDP) and is replicated
+  otherwise (ZeRO-1); the optimizer state is laid out by `state_shardings`. State
+  that `tx` keeps in host memory (offload) is restored into host memory.
+
+  Args:
+    tx: the optimizer the job runs with now.
+    params: params or `jax.ShapeDtypeStruct`s (only shapes, dtypes and shardings on
+      `mesh` are used, so a freshly initialized model will do).
+    mesh: the device mesh to restore onto, or None for one device.
+    data_axis: the data-parallel axis of `mesh`.
+
+  Returns:
+    (params, opt_state) as pytrees of `jax.ShapeDtypeStruct` with shardings.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((16, 32)), "bias": jnp.zeros(32)}}
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> p, s = mo.checkpoint.abstract_target(mo.muon(mesh=mesh), params, mesh)
+    >>> p["mlp"]["kernel"].sharding.spec
+    PartitionSpec()
+  """
+  if mesh is None:
+    device = SingleDeviceSharding(jax.devices()[0])
+    param_sharding = lambda x: device
+  else:
+    def param_sharding(x):
+      sharding = getattr(x, "sharding", None)
+      keep = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+      return sharding if keep else NamedSharding(mesh, P())
+
+  abstract_params = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=param_sharding(x)),
+      params)
+  state, on_host = _init_shapes(tx, abstract_params)
+  if mesh is None:
+    shardings = jax.tree.map(lambda _: device, state)
+  else:
+    shardings = state_shardings(tx, abstract_params, mesh, data_axis)
+  abstract_state = jax.tree.map(
+      lambda x, s, host: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=s.with_memory_kind("pinned_host") if host else s),
+      state, shardings, on_host)
+  return abstract_params, abstract_state
+
+
+def _init_shapes(tx: optax.GradientTransformation, params: Any) -> tuple[Any, Any]:
+  """`tx.init(params)` abstractly, and per leaf whether init puts it in host memory.
+
+  Offloaded state (`adam_backend="offload"`, `offload_momentum=True`) must be read
+  back into host memory: it may not fit on the device. `jax.eval_shape` drops the
+  memory space; the traced program keeps it.
+  """
+  traced = jax.jit(tx.init).trace(params)
+  on_host = [getattr(a, "memory_space", None) == jax.memory.Space.Host
+             for a in traced.jaxpr.out_avals]
+  return traced.out_info, jax.tree.structure(traced.out_info).unflatten(on_host)
+
+
+class Checkpointer:
+  """Saves and restores (params, optimizer state) with Orbax, keeping the last few steps.
+
+  Args:
+    directory: where step directories are written (created if needed).
+    max_to_keep: how many of the most recent checkpoints to keep; None keeps all.
+    async_save: write in a background thread; `save` returns once the arrays are
+      copied off the devices. `wait()` blocks until the writes are committed.
+    labels, views, per_head: the routing settings given to `muon` (None: the
+      defaults), recorded with each checkpoint and checked on restore.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, tempfile, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((16, 32)), "bias": jnp.zeros(32)}}
+    >>> tx = mo.muon(0.02)
+    >>> state = tx.init(params)
+    >>> with mo.checkpoint.Checkpointer(tempfile.mkdtemp()) as ckpt:
+    ...   ckpt.save(100, params, state, metadata={"loss": 1.5})
+    ...   ckpt.wait()
+    ...   p, s = mo.checkpoint.abstract_target(tx, params)  # or with a mesh
+    ...   step, params, state, meta = ckpt.restore(params_target=p, opt_state_target=s)
+    >>> step, meta
+    (100, {'loss': 1.5})
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = 3,
+               async_save: bool = True, labels: _routing.Labels = None,
+               views: Optional[ViewFn] = None, per_head: bool = False):
+    ocp = _ocp()
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.labels = labels
+    self.views = view_fn(views, per_head)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True)  # drop what a killed save left behind
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def record(self, params: Any, opt_state: Any) -> dict:
+    """The JSON record `save` writes beside (params, opt_state), without user metadata."""
+    return _record.record(params, opt_state, self.labels, self.views)
+
+  def save(self, step: int, params: Any, opt_state: Any, *,
+           metadata: Optional[dict] = None) -> None:
+    """Saves params, optimizer state and the JSON record (plus `metadata`) as `step`.
+
+    With `async_save` the arrays are written in the background; call `wait()` before
+    reading the checkpoint back or exiting. Older checkpoints beyond `max_to_keep`
+    are deleted once this one is committed.
+    """
+    ocp = _ocp()
+    record = {**self.record(params, opt_state), "step": int(step), "user": metadata or {}}
+    try:
+      json.dumps(record)
+    except TypeError as e:
+      raise ValueError(f"checkpoint metadata must be JSON-serializable: {e}") from None
+    self._manager.save(int(step), args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+        meta=ocp.args.JsonSave(record)))
+
+  def metadata(self, step: Optional[int] = None) -> dict:
+    """The JSON record of checkpoint `step` (default: the latest); its "user" entry
+    holds the `metadata` given to `save`."""
+    ocp = _ocp()
+    step = self._step(step)
+    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def restore(self, step: Optional[int] = None, *, params_target: Any, opt_state_target: Any
+              ) -> Restored:
+    """Reads checkpoint `step` (default: the latest) into the given targets.
+
+    Args:
+      step: which checkpoint; None for the latest.
+      params_target, opt_state_target: arrays or `jax.ShapeDtypeStruct`s giving the
+        structure, dtypes and shardings to restore into, e.g. from `abstract_target`.
+        A leaf without a sharding lands on the default device.
+
+    Returns:
+      `Restored(step, params, opt_state, metadata)`.
+
+    Raises:
+      FileNotFoundError: no such checkpoint.
+      ValueError: the checkpoint's tree, a shape, a dtype or a routing label differs
+        from the target's; the message lists each differing path with both values
+        (the first 20, then how many more).
+    """
+    ocp = _ocp()
+    step = self._step(step)
+    saved = self.metadata(step)
+    params_t, state_t = _abstract(params_target), _abstract(opt_state_target)
+    # The AdamW backends share one (count, mu, nu) layout, so a state saved under one
+    # reads straight into another's target.
+    _record.check_fits(saved, self.record(params_t, state_t),
+                       f"checkpoint step {step} in {self.directory} ")
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(params_t), opt_state=ocp.args.StandardRestore(state_t)))
+    return Restored(step, restored["params"], restored["opt_state"], saved.get("user", {}))
+
+  def _step(self, step: Optional[int]) -> int:
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    elif step not in self.all_steps():
+      raise FileNotFoundError(
+          f"no checkpoint for step {step} in {self.directory}; it has {list(self.all_steps())}")
+    return int(step)
+
+  def latest_step(self) -> Optional[int]:
+    """The newest committed step, or None."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Every committed step still kept, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def wait(self) -> None:
+    """Blocks until every pending save is written and committed."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases Orbax's resources."""
+    self._manager.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,154 @@
+"""The JSON record saved with each checkpoint, and its comparison with a restore target.
+
+Pure: it reads shapes, dtypes, routing labels and state types, never arrays or files,
+so it is tested without Orbax.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from muon_optax import _paths, _routing
+from muon_optax._adamw import REMOVED, STATE_TYPES
+from muon_optax._matrix_view import ViewFn
+from muon_optax._state_sharding import mirrored_param
+
+FORMAT = 1  # version of the JSON record; bumped on incompatible changes
+MAX_LISTED = 20  # differences listed in a mismatch error before "and N more"
+_BACKEND_OF = {t: name for name, t in STATE_TYPES.items()}
+
+
+def leaves(tree: Any) -> dict[str, dict]:
+  """'/'-joined path -> {"shape", "dtype"} of every array leaf."""
+  out = {}
+  for path, x in _paths.leaves_with_path(tree):
+    if path in out:
+      raise ValueError(f"two leaves share the path {path!r}; checkpoint paths must be unique.")
+    out[path] = {"shape": list(jnp.shape(x)), "dtype": jnp.dtype(jnp.result_type(x)).name}
+  return out
+
+
+def adam_states(state: Any) -> dict[str, str]:
+  """Path -> backend name of every AdamW state inside `state`."""
+  is_adam = lambda x: type(x) in _BACKEND_OF
+  flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_adam)
+  return {_paths.path_str(p): _BACKEND_OF[type(x)] for p, x in flat if is_adam(x)}
+
+
+def _partitions(state: Any) -> list[tuple[str, optax.PartitionState]]:
+  """(path, state) of every `muon(...)` partition inside `state`."""
+  is_part = lambda x: (isinstance(x, optax.PartitionState)
+                       and {_routing.MUON, _routing.ADAM} <= set(x.inner_states))
+  flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_part)
+  return [(_paths.path_str(p), x) for p, x in flat if is_part(x)]
+
+
+def _check_labels_fit_state(labels: dict[str, str], params: dict, state: Any) -> None:
+  """Every branch whose state mirrors parameters (momentum, Adam moments) mirrors
+  exactly the parameters with its label."""
+  shapes = {name: rec["shape"] for name, rec in params.items()}
+  for _, part in _partitions(state):
+    for branch, inner in part.inner_states.items():
+      held = {mirrored_param(path, jnp.shape(x), shapes)
+              for path, x in _paths.leaves_with_path(inner)} - {None}
+      for name in params if held else ():  # a stateless branch: nothing to compare
+        if (name in held) != (labels[name] == branch):
+          raise ValueError(
+              f"parameter {name!r} is labelled {labels[name]!r} by the checkpointer's labels, "
+              f"but the optimizer state keeps it {'in' if name in held else 'out of'} "
+              f"the {branch!r} branch. Give Checkpointer(labels=...) the labels given to "
+              "muon(...).")
+
+
+def _routing_record(params: Any, state: Any, labels: _routing.Labels, views: ViewFn
+                    ) -> Optional[dict]:
+  """Path -> {"label", "view"} of every parameter, or None if `state` holds no muon(...) state."""
+  if not _partitions(state):
+    return None
+  try:
+    label_tree = _routing.resolve_labels(labels, params)
+    flat_labels = dict(_paths.leaves_with_path(label_tree))
+  except ValueError as e:
+    raise ValueError(
+        f"{e} (Checkpointer(labels=...) must be the labels given to muon(...).)") from None
+  _check_labels_fit_state(flat_labels, leaves(params), state)
+  record = {}
+  for path, x in _paths.leaves_with_path(params):
+    view = views(path, tuple(jnp.shape(x))) if flat_labels[path] == _routing.MUON else None
+    if view is not None:
+      view = {**view._asdict(), "matrices": view.describe(jnp.shape(x))}
+    record[path] = {"label": flat_labels[path], "view": view}
+  return record
+
+
+def record(params: Any, opt_state: Any, labels: _routing.Labels, views: ViewFn) -> dict:
+  """The JSON record of (params, opt_state): shape and dtype per path, routing label and
+  matrix view per parameter, AdamW backend per AdamW state, format and version."""
+  from muon_optax import __version__
+  return {
+      "format": FORMAT,
+      "muon_optax_version": __version__,
+      "params": leaves(params),
+      "opt_state": leaves(opt_state),
+      "routing": _routing_record(params, opt_state, labels, views),
+      "adam_backends": adam_states(opt_state),
+  }
+
+
+def differences(what: str, saved: dict, current: dict, fields: tuple[str, ...]) -> list[str]:
+  """Every difference between two path -> record maps, one line each, in path order."""
+  lines = []
+  for path in sorted(saved.keys() | current.keys()):
+    if path not in current:
+      lines.append(f"{what} {path!r} is in the checkpoint only")
+    elif path not in saved:
+      lines.append(f"{what} {path!r} is in the target only")
+    else:
+      for field in fields:
+        old, new = saved[path].get(field), current[path].get(field)
+        if old != new:
+          lines.append(f"{what} {path!r} has {field} {_show(old)} in the checkpoint but "
+                       f"{_show(new)} in the target")
+  return lines
+
+
+def _show(value: Any) -> str:
+  return str(tuple(value)) if isinstance(value, list) else repr(value)
+
+
+def _listing(lines: list[str]) -> str:
+  shown = "\n  ".join(lines[:MAX_LISTED])
+  more = f"\n  ... and {len(lines) - MAX_LISTED} more" if len(lines) > MAX_LISTED else ""
+  return f"{len(lines)} difference{'s' if len(lines) > 1 else ''}:\n  {shown}{more}"
+
+
+def check_fits(saved: dict, current: dict, where: str) -> None:
+  """Raises a ValueError listing what keeps checkpoint record `saved` from restoring into
+  a target whose record is `current`: newer format, removed AdamW layout, different
+  params (tree, shape, dtype), routing labels, AdamW state places or state leaves."""
+  if saved.get("format", 0) > FORMAT:
+    raise ValueError(
+        f"{where}was written by muon_optax {saved.get('muon_optax_version')} in a newer "
+        "format; upgrade muon_optax to read it.")
+  removed = {p: b for p, b in saved.get("adam_backends", {}).items() if b in REMOVED}
+  if removed:
+    raise ValueError(
+        f"{where}holds AdamW state in a removed layout, {removed} (written by muon_optax "
+        f"{saved.get('muon_optax_version')}). Restore it with that release, convert it with "
+        "muon_optax.convert_adam_state(state, params, 'optax') and save it again.")
+  lines = differences("parameter", saved["params"], current["params"], ("shape", "dtype"))
+  if saved["routing"] and current["routing"]:
+    lines += [line for line in differences("parameter", saved["routing"], current["routing"],
+                                           ("label",)) if "only" not in line]
+  if not lines and saved["adam_backends"].keys() != current["adam_backends"].keys():
+    lines.append(f"AdamW states at {sorted(saved['adam_backends'])} in the checkpoint but at "
+                 f"{sorted(current['adam_backends'])} in the target")
+  if not lines:  # state leaves differ only through the params; list them when those agree
+    lines = differences("optimizer state leaf", saved["opt_state"], current["opt_state"],
+                        ("shape", "dtype"))
+  if lines:
+    raise ValueError(where + "does not fit the restore target: " + _listing(lines))
