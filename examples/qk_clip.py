@@ -3,7 +3,7 @@ and QK-clip (Kimi K2, arXiv 2507.20534) caps them at τ.
 
 Trains the same model twice on the bytes of the Python standard library's `.py` files, with
 the same seed and batches: once with `mo.muon`, once with `optax.chain(mo.muon(...),
-mo.qk_clip(tau))`. Each `mo.ClipAttention` sows its per-head max pre-softmax logit S_h; the
+mo.qk_clip(tau))`. Each `mo.nnx.ClipAttention` sows its per-head max pre-softmax logit S_h; the
 step passes those to the optimizer. S_h is measured in the forward pass, before the
 update, so the clipped curve sits at τ plus at most one step's growth. Writes max-logit
 and loss curves to <out-dir>/qk_clip.png and prints both final losses.
@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 class Block(nnx.Module):
   def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
     self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-    self.attn = mo.ClipAttention(heads, d, use_bias=False, rngs=rngs)  # sows max_logits
+    self.attn = mo.nnx.ClipAttention(heads, d, use_bias=False, rngs=rngs)  # sows max_logits
     self.ln2 = nnx.LayerNorm(d, rngs=rngs)
     self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
     self.proj = nnx.Linear(4 * d, d, rngs=rngs)
@@ -63,7 +63,7 @@ class GPT(nnx.Module):
 def loss_and_max_logits(model, batch):
   logits, inter = nnx.capture(model, nnx.Intermediate)(batch[:, :-1])
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-  return loss, mo.max_logits(inter)  # {"blocks/0/attn": (heads,), ...}
+  return loss, mo.nnx.max_logits(inter)  # {"blocks/0/attn": (heads,), ...}
 
 
 @nnx.jit
