@@ -57,7 +57,7 @@ def optimizer(mesh=None, backend="optax"):
 
 @pytest.mark.parametrize("layout, types, backend", [
     ("zero1", AUTO, "optax"), ("fsdp", AUTO, "optax"), ("zero1", EXPLICIT, "optax"),
-    ("fsdp", EXPLICIT, "optax"), ("fsdp", EXPLICIT, "flat")])
+    ("fsdp", EXPLICIT, "optax"), ("fsdp", EXPLICIT, "reference")])
 def test_matches_single_device_over_five_steps(layout, types, backend):
   mesh, params = mesh_of(types=types), small_tree()
   if layout == "zero1":
