@@ -235,8 +235,8 @@ def _written_out(hp: dict, backend: str) -> optax.GradientTransformation:
       raise ValueError("AdamW with weight decay needs params: call update(updates, state, params).")
     flags = _decay_flags(hp["mask"], params) if decays else jax.tree.map(lambda _: False, updates)
     params = updates if params is None else params  # unused without weight decay
-    out = jax.tree.map(lambda g, m, v, p, f: _leaf_step(g, m, v, p if f else None, count, lr, wd, hp),
-                       updates, state.mu, state.nu, params, flags)
+    leaf = lambda g, m, v, p, f: _leaf_step(g, m, v, p if f else None, count, lr, wd, hp)
+    out = jax.tree.map(leaf, updates, state.mu, state.nu, params, flags)
     treedef = jax.tree.structure(updates)
     triples = treedef.flatten_up_to(out)
     u, mu, nu = (jax.tree.unflatten(treedef, [t[k] for t in triples]) for k in range(3))

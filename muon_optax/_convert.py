@@ -8,8 +8,8 @@ import jax
 import optax
 
 from muon_optax import _offload, _paths
-from muon_optax._adamw import (STATE_TYPES, OffloadAdamState, ReferenceAdamState, check_backend,
-                               describe_state, is_removed_layout)
+from muon_optax._adamw import (STATE_TYPES, OffloadAdamState, check_backend, describe_state,
+                               is_removed_layout)
 
 _FIELDS = ("count", "mu", "nu")
 
@@ -125,7 +125,8 @@ def _layout_error(state: Any, where: str) -> ValueError:
   known = ", ".join(f"{t.__name__} ({b!r})" for b, t in STATE_TYPES.items())
   fields = getattr(state, "_fields", None)
   if fields is None:
-    return ValueError(f"{where}: expected an AdamW state, got {describe_state(state)}. Known: {known}.")
+    return ValueError(
+        f"{where}: expected an AdamW state, got {describe_state(state)}. Known: {known}.")
   missing = [f for f in _FIELDS if f not in fields]
   unexpected = [f for f in fields if f not in _FIELDS]
   detail = (f"missing field(s) {missing}, unexpected field(s) {unexpected}"

@@ -169,7 +169,8 @@ def test_backend_names_and_state_layouts_are_checked():
   with pytest.raises(ValueError, match="expects a ScaleByAdamState but got a ReferenceAdamState"
                      r".*convert_adam_state\(state, params, 'optax'\)"):
     jax.eval_shape(make_tx("optax").update, grads, state, params)
-  flat = FlatAdamState(jnp.zeros([], jnp.int32), {"float32": jnp.zeros(9)}, {"float32": jnp.zeros(9)})
+  buffers = {"float32": jnp.zeros(9)}
+  flat = FlatAdamState(jnp.zeros([], jnp.int32), buffers, buffers)
   p = {"b": jnp.ones(3), "w": jnp.ones((2, 3))}
   with pytest.raises(ValueError, match="'flat' was removed.*FlatAdamState cannot be read"):
     mo.adamw(backend="reference").update(p, flat, p)

@@ -44,12 +44,14 @@ def test_conversion_inside_a_chain_standalone_and_any_partition():
   tx = optax.chain(optax.clip_by_global_norm(1.0), make_tx("offload"))
   state = mo.convert_adam_state(tx.init(params), params, "optax")
   assert isinstance(state[1].inner_states["adam"].inner_state, optax.ScaleByAdamState)
-  assert state[1].inner_states["adam"].inner_state.mu["norm"]["scale"].sharding.memory_kind == "device"
+  moments = state[1].inner_states["adam"].inner_state.mu
+  assert moments["norm"]["scale"].sharding.memory_kind == "device"
   converted = mo.convert_adam_state(mo.adamw(1e-3).init(params), params, "reference")
   assert isinstance(converted, mo.ReferenceAdamState)
   assert converted.mu["mlp_in"]["kernel"].shape == (D, HIDDEN)
   labels = jax.tree.map(lambda p: "vec" if p.ndim == 1 else "mat", params)
-  part = optax.partition({"vec": mo.adamw(1e-3, backend="reference"), "mat": optax.sgd(0.1)}, labels)
+  part = optax.partition(
+      {"vec": mo.adamw(1e-3, backend="reference"), "mat": optax.sgd(0.1)}, labels)
   converted = mo.convert_adam_state(part.init(params), params, "offload", branch="vec")
   moments = converted.inner_states["vec"].inner_state.mu
   assert moments["mlp_in"]["bias"].sharding.memory_kind == "pinned_host"

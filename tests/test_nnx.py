@@ -28,13 +28,13 @@ def test_import_muon_optax_imports_no_flax():
 
 
 def test_head_max_logits_against_float64():
-  q, k = inputs(0, (2, 3, L, H, HD)).astype(np.float64), inputs(1, (2, 3, L, H, HD)).astype(np.float64)
+  q, k = (inputs(i, (2, 3, L, H, HD)).astype(np.float64) for i in (0, 1))
   mask = np.tril(np.ones((L, L), bool))
   logits = np.einsum("...qhd,...khd->...hqk", q, k) / np.sqrt(HD)
   expected = np.where(mask, logits, -np.inf).max(axis=(0, 1, 3, 4))
   got_logits, s = head_max_logits(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), mask)
   assert s.shape == (H,) and s.dtype == jnp.float32
-  # A float32 dot product of HD terms errs by at most HD·eps·Σ|q_i k_i| (the 1/√d scale adds one).
+  # A float32 dot product of HD terms errs by at most HD·eps·Σ|q_i k_i|; the 1/√d scale, one more.
   bound = np.einsum("...qhd,...khd->...hqk", np.abs(q), np.abs(k)) / np.sqrt(HD)
   atol = (HD + 1) * np.finfo(np.float32).eps * bound.max()
   np.testing.assert_allclose(s, expected, rtol=0, atol=atol)
@@ -45,15 +45,16 @@ def test_max_logit_attention_is_softmax_attention_and_sows():
   q, k, v = (inputs(i, (2, L, H, HD)) for i in range(3))
   want = nnx.dot_product_attention(q, k, v, mask=np.tril(np.ones((L, L), bool)))
   got = max_logit_attention(q, k, v, is_causal=True)
-  np.testing.assert_allclose(got, want, rtol=0, atol=16 * np.finfo(np.float32).eps * np.abs(v).max())
+  atol = 16 * np.finfo(np.float32).eps * np.abs(v).max()  # softmax weights sum to 1
+  np.testing.assert_allclose(got, want, rtol=0, atol=atol)
   attn = ClipAttention(H, D, qkv_features=H * HD, rngs=nnx.Rngs(0))
   _, inter = nnx.capture(attn, nnx.Intermediate)(inputs(3, (B, L, D)))
   assert max_logits(inter)[""].shape == (H,)
 
 
 def test_max_logits_takes_the_max_over_repeated_calls():
-  got = max_logits({"blocks": {"0": {"attn": {"max_logits": (jnp.array([1., 5.]), jnp.array([3., 2.]))}}},
-                    "other": jnp.array([7.0])})
+  sown = (jnp.array([1., 5.]), jnp.array([3., 2.]))  # two calls of one module
+  got = max_logits({"blocks": {"0": {"attn": {"max_logits": sown}}}, "other": jnp.array([7.0])})
   assert set(got) == {"blocks/0/attn", "other"}
   np.testing.assert_array_equal(got["blocks/0/attn"], [3.0, 5.0])
 
