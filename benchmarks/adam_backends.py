@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 import muon_optax as mo
-from _machine import machine
+from benchmarks.common import machine
 
 
 def make_step(tx: optax.GradientTransformation, params):
