@@ -53,7 +53,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 3e-3, 6e-3, 1e-2])
-  p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04])
+  p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04, 0.08])
   p.add_argument("--out-dir", default="runs/convergence")
   return p.parse_args(argv)
 
