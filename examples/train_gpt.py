@@ -43,7 +43,7 @@ class TrainConfig:
   heads: int = _flag(4, "attention heads")
   seq_len: int = _flag(64, "context length in bytes")
   batch: int = _flag(32, "sequences per step (split over --devices)")
-  lr: float = _flag(0.02, "Muon's peak learning rate")
+  lr: float = _flag(0.04, "Muon's peak learning rate")
   adam_lr: float = _flag(6e-3, "AdamW's peak learning rate (Muon's aux branch, or everything)")
   weight_decay: float = _flag(0.0, "decoupled weight decay of the hidden matrices")
   warmup: float = _flag(0.05, "fraction of steps of linear warmup, then cosine decay to 10%%")
