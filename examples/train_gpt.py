@@ -149,9 +149,9 @@ def data_mesh(devices: int) -> Optional[jax.sharding.Mesh]:
     return None
   if jax.device_count() < devices:
     raise ValueError(
-        f"--devices {devices} but jax sees {jax.device_count()} device(s). Run this file "
-        "as a script (it sets XLA_FLAGS=--xla_force_host_platform_device_count=N before "
-        "importing jax), or set that flag yourself before jax is imported.")
+        f"--devices {devices} but jax sees {jax.device_count()} device(s). Run "
+        "`python -m examples.train_gpt` (it sets XLA_FLAGS=--xla_force_host_platform_"
+        "device_count=N before importing jax), or set that flag before jax is imported.")
   # Auto axes: XLA propagates the batch sharding through the model. (On an Explicit
   # mesh nnx.Embed's gather needs an out_sharding it does not yet take.)
   return jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
