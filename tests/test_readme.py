@@ -14,21 +14,25 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
-# Runs the blocks (a JSON list, argv[1]) in one namespace, then the epilogue (argv[2]),
-# which may print one JSON line starting with "RESULT ".
+# Runs the blocks (a JSON list, argv[1]) in one namespace. Right after the first block
+# that builds an optax.contrib.muon, before later blocks can rebind its names, it runs
+# the epilogue (argv[2]), which prints one JSON line starting with "RESULT ".
 RUNNER = r"""
 import json, sys
 blocks, epilogue = json.load(open(sys.argv[1])), open(sys.argv[2]).read()
-namespace = {"__name__": "__readme__"}
+namespace, checked = {"__name__": "__readme__"}, False
 for i, code in enumerate(blocks, 1):
   print(f"--- README python block {i} ---", flush=True)
   exec(compile(code, f"README.md python block {i}", "exec"), namespace)
-print("--- epilogue ---", flush=True)
-exec(compile(epilogue, "epilogue", "exec"), namespace)
+  if not checked and "optax.contrib.muon(" in code:
+    print("--- epilogue ---", flush=True)
+    exec(compile(epilogue, "epilogue", "exec"), namespace)
+    checked = True
 """
 
-# In the README's namespace, after its blocks: the optax.contrib.muon snippet's `ours`,
-# `theirs`, `run` and `tree` against optax run in float64 as the exact reference.
+# In the README's namespace, after its optax.contrib.muon snippet: the snippet's `ours`,
+# `theirs`, `run`, `tree` and `every_matrix` against optax run in float64 as the exact
+# reference.
 EPILOGUE = r"""
 import json
 import numpy as np
@@ -83,7 +87,9 @@ def test_every_readme_python_block_runs_in_order(readme_run):
 def _result(readme_run):
   if readme_run.returncode:
     pytest.fail("README blocks failed: " + readme_run.stderr[-3000:])
-  line = next(l for l in readme_run.stdout.splitlines() if l.startswith("RESULT "))
+  lines = [l for l in readme_run.stdout.splitlines() if l.startswith("RESULT ")]
+  assert lines, "no README python block builds an optax.contrib.muon to compare with"
+  line = lines[0]
   return json.loads(line[len("RESULT "):])
 
 
