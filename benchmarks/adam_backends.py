@@ -6,49 +6,20 @@ timed step is a jitted `update` + `apply_updates` with params and state donated,
 on with `block_until_ready`; the arms take turns step by step. Prints the median step time per backend and its ratio to
 `optax.adamw`, with the machine it ran on.
 
-    python benchmarks/adam_backends.py [--tensors 128] [--size 16384] [--steps 200]
+    python -m benchmarks.adam_backends [--tensors 128] [--size 16384] [--steps 200]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import muon_optax as mo
-from _machine import machine
-
-
-def make_step(tx: optax.GradientTransformation, params):
-  """A jitted, donating `update` + `apply_updates`, and its own copy of params and state."""
-
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = jax.tree.map(jnp.copy, params)  # donated: keep the caller's arrays
-  return jax.jit(step, donate_argnums=(0, 1)), [params, tx.init(params)]
-
-
-def time_arms(arms: dict, params, grads, warmup: int, steps: int) -> dict[str, list[float]]:
-  """Seconds per step of each arm. Arms take turns step by step, so a load change on a
-  shared machine hits them all alike rather than whichever ran at the time."""
-  runs = {name: make_step(tx, params) for name, tx in arms.items()}
-  for step, carry in runs.values():
-    for _ in range(warmup):
-      carry[:] = step(*carry, grads)
-    jax.block_until_ready(carry)
-  times = {name: [] for name in runs}
-  for _ in range(steps):
-    for name, (step, carry) in runs.items():
-      t0 = time.perf_counter()
-      carry[:] = jax.block_until_ready(step(*carry, grads))
-      times[name].append(time.perf_counter() - t0)
-  return times
+from benchmarks.common import machine, time_steps
 
 
 def main() -> None:
@@ -67,13 +38,13 @@ def main() -> None:
 
   arms = {"optax.adamw": optax.adamw(**hp)}
   arms.update({f"mo.adamw({b!r})": mo.adamw(**hp, backend=b) for b in mo.BACKENDS})
-  times = time_arms(arms, params, grads, args.warmup, args.steps)
+  times, _ = time_steps(arms, params, grads, args.warmup, args.steps)
   medians = {name: statistics.median(t) for name, t in times.items()}
 
   base = medians["optax.adamw"]
   print(f"machine: {machine()}")
   print(f"{args.tensors} tensors × {args.size:,} float32, {args.warmup} warm-up + "
-        f"{args.steps} timed steps; 'auto' is {mo.resolve_backend('auto')!r} here\n")
+        f"{args.steps} timed steps\n")
   print(f"| {'Backend':<22} | Median step (ms) | vs optax.adamw |")
   print(f"|{'-' * 24}|-----------------:|---------------:|")
   for name, t in medians.items():

@@ -15,8 +15,11 @@ that run's schedule has not decayed yet at that step); Newton–Schulz flops as 
 percentage of training flops (6·N·tokens, N = all parameters). Writes the curves to
 --out-dir/convergence.png and every run to --out-dir/convergence.json.
 
-    python benchmarks/convergence.py                       # the ~10 min CPU default
-    python benchmarks/convergence.py --steps 2000 --d-model 256 --layers 6 --heads 8 \\
+The default is the main job's configuration (`python -m examples.train_gpt`), whose
+learning rates are the best of this sweep (benchmarks/results/convergence.txt).
+
+    python -m benchmarks.convergence                       # ~5 min on 2 idle CPU cores
+    python -m benchmarks.convergence --steps 2000 --d-model 256 --layers 6 --heads 8 \\
         --seq-len 256 --batch 64                           # a bigger run for an accelerator
 """
 
@@ -27,47 +30,32 @@ import dataclasses
 import json
 import os
 import pathlib
-import sys
 import time
 from typing import Any, Optional
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-import stdlib_text  # noqa: E402
-import train_gpt  # noqa: E402
-from train_gpt import TrainConfig  # noqa: E402
+from benchmarks.common import machine_info
+from examples import stdlib_text, train_gpt
+from examples.train_gpt import TrainConfig, steps_to_reach
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--steps", type=int, default=350)
   p.add_argument("--d-model", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--batch", type=int, default=32)
-  p.add_argument("--eval-every", type=int, default=20)
+  p.add_argument("--eval-every", type=int, default=25)
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
-  p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.015, 0.03, 0.06])
+  p.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 3e-3, 6e-3, 1e-2])
+  p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04, 0.08])
   p.add_argument("--out-dir", default="runs/convergence")
   return p.parse_args(argv)
-
-
-def steps_to_reach(val_curve: list[tuple[int, float]], target: float) -> Optional[float]:
-  """First step at which the validation curve reaches `target`, linearly interpolated
-  between evaluations (from step 0, where no curve is below target); None if never."""
-  prev_step, prev_loss = 0, float("inf")
-  for step, loss in val_curve:
-    if loss <= target:
-      if not np.isfinite(prev_loss):
-        return float(step)
-      return prev_step + (step - prev_step) * (prev_loss - target) / (prev_loss - loss)
-    prev_step, prev_loss = step, loss
-  return None
 
 
 def sweep(base: TrainConfig, optimizer: str, lrs: list[float], data: tuple, **fixed: Any
@@ -127,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                      seed=args.seed)
   train_split, val_split = stdlib_text.load_splits()
   data = (train_split.data, val_split.data)
-  m = train_gpt.machine_info()
+  m = machine_info()
   print(f"machine: {m['platform']}, {m['processor']}, {m['cpu_count']} CPUs, "
         f"load average {os.getloadavg()[0]:.1f}; python {m['python']}, jax {m['jax']} "
         f"({m['backend']}, {len(m['devices'])} device(s))")

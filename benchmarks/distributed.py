@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
-from _machine import machine  # noqa: E402  (benchmarks/ is on sys.path)
+from benchmarks.common import machine  # noqa: E402
 
 
 def gpt2_small_tree(layers: int, d: int = 768, vocab: int = 50304) -> dict:

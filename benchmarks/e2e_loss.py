@@ -2,7 +2,7 @@
 
 Every arm starts from the same init (fixed seed) and sees the same batch of standard
 library source bytes at every step, so any difference in the loss comes from the
-optimizer. The arms: the aux AdamW as "reference", "optax", "flat" and "offload", and
+optimizer. The arms: the aux AdamW as "reference", "optax" and "offload", and
 "offload" with the Muon momentum in host memory too. Prints
 
     Configuration | Backend | First loss | Final loss | Max diff vs reference
@@ -10,17 +10,15 @@ optimizer. The arms: the aux AdamW as "reference", "optax", "flat" and "offload"
 with the machine it ran on, and writes the loss curves (and their differences from the
 reference) as a PNG.
 
-    python benchmarks/e2e_loss.py                   # 0.87M params, ~5 minutes on 2 CPU cores
-    python benchmarks/e2e_loss.py --preset 124m     # GPT-2 small's shape, 124M params
-    python benchmarks/e2e_loss.py --preset 400m     # 1024 wide, 7 layers, 152k vocab: 400M
+    python -m benchmarks.e2e_loss                   # 0.87M params, ~5 minutes on 2 CPU cores
+    python -m benchmarks.e2e_loss --preset 124m     # GPT-2 small's shape, 124M params
+    python -m benchmarks.e2e_loss --preset 400m     # 1024 wide, 7 layers, 152k vocab: 400M
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
-import sys
 import time
 
 import jax
@@ -29,12 +27,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, loss_fn, num_params  # noqa: E402
-from stdlib_text import batches, load_splits  # noqa: E402
-
 import muon_optax as mo
-from _machine import machine  # noqa: E402  (benchmarks/ is on sys.path)
+from benchmarks.common import commit, machine
+from examples.gpt import GPT, GPTConfig, loss_fn, num_params
+from examples.stdlib_text import batches, load_splits
 
 # Model shapes and batch sizes (batch, sequence length) of each preset.
 PRESETS = {
@@ -51,17 +47,9 @@ PRESETS = {
 ARMS = [
     ("Muon + AdamW", "reference", False),
     ("Muon + AdamW", "optax", False),
-    ("Muon + AdamW", "flat", False),
     ("Muon + AdamW", "offload", False),
     ("Muon + AdamW, Muon momentum offloaded", "offload", True),
 ]
-
-
-def commit(tree):
-  """Commits every array to the default device. jit specializes on committed vs not, so
-  next to committed host-memory (offloaded) state, the uncommitted arrays of a fresh
-  init would make the second step compile again."""
-  return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, jax.devices()[0]), tree)
 
 
 def make_optimizer(backend: str, offload_momentum: bool, steps: int) -> optax.GradientTransformation:
@@ -133,7 +121,7 @@ def main() -> None:
   n = num_params(GPT(cfg, rngs=nnx.Rngs(args.seed)))
   title = (f"{args.preset}: {n:,} params ({cfg.d_model} wide, {cfg.layers} layers, vocab "
            f"{cfg.vocab_size:,}), batch {batch}×{cfg.seq_len}, {args.steps} steps")
-  print(f"machine: {machine()}\n{title}\n'auto' is {mo.resolve_backend('auto')!r} here\n")
+  print(f"machine: {machine()}\n{title}\n")
 
   curves = {}
   for config, backend, offload_momentum in ARMS:

@@ -33,7 +33,7 @@ import optax
 import optax.contrib
 
 import muon_optax as mo
-from _machine import machine
+from benchmarks.common import machine
 from muon_optax._newton_schulz import coefficient_schedule
 
 # optax 0.2.8 keeps its orthogonalization in optax.contrib._muon (not re-exported).

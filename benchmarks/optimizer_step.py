@@ -30,7 +30,7 @@ import optax
 import optax.contrib
 
 import muon_optax as mo
-from _machine import machine
+from benchmarks.common import machine
 
 D, VOCAB, CTX = 768, 50257, 1024
 KERNELS = {"attn/qkv": (D, 3 * D), "attn/proj": (D, D), "mlp/fc": (D, 4 * D),

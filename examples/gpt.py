@@ -5,6 +5,9 @@ Parameter names follow the conventions `muon_optax.label_params` knows: `embed` 
 `pos_embed` (embeddings) and `lm_head` go to AdamW, the attention and MLP kernels to
 Muon, LayerNorm scales and biases to AdamW. Check with `mo.describe(nnx.state(model,
 nnx.Param))`.
+
+`GPTConfig(attention="clip")` uses `mo.nnx.ClipAttention`, which sows every head's max
+attention logit for `mo.qk_clip` (see `examples/qk_clip.py`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import muon_optax as mo
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-  """Model shape. `vocab_size=256` is byte level; `tie_embeddings` reuses `embed` as the head."""
+  """Model shape. `vocab_size=256` is byte level; `tie_embeddings` reuses `embed` as the head.
+
+  `attention`: "mha" (causal `nnx.MultiHeadAttention`) or "clip" (causal
+  `mo.nnx.ClipAttention`, same parameters, sows max logits); `attn_bias`: q/k/v/out biases.
+  """
 
   vocab_size: int = 256
   seq_len: int = 128
@@ -28,8 +37,12 @@ class GPTConfig:
   heads: int = 4
   mlp_ratio: int = 4
   tie_embeddings: bool = False
+  attention: str = "mha"
+  attn_bias: bool = True
 
   def __post_init__(self):
+    if self.attention not in ("mha", "clip"):
+      raise ValueError(f"attention={self.attention!r}; use 'mha' or 'clip'.")
     if self.d_model % self.heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of heads={self.heads}.")
 
@@ -42,14 +55,17 @@ class Block(nnx.Module):
     self.ln1 = nnx.LayerNorm(d, rngs=rngs)
     # `attn` in the path tells the default matrix view that `out` is an attention output.
     # keep_rngs=False: no dropout, so the module holds no RNG state.
-    self.attn = nnx.MultiHeadAttention(
-        cfg.heads, d, decode=False, keep_rngs=False, rngs=rngs)
+    attention = nnx.MultiHeadAttention if cfg.attention == "mha" else mo.nnx.ClipAttention
+    self.causal = cfg.attention == "mha"  # ClipAttention always applies a causal mask
+    self.attn = attention(cfg.heads, d, use_bias=cfg.attn_bias, keep_rngs=False, rngs=rngs,
+                          **({"decode": False} if self.causal else {}))
     self.ln2 = nnx.LayerNorm(d, rngs=rngs)
     self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
     self.mlp_out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.ln1(x), is_causal=True, deterministic=True)
+    causal = {"is_causal": True} if self.causal else {}
+    x = x + self.attn(self.ln1(x), deterministic=True, **causal)
     return x + self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x))))
 
 

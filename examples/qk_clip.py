@@ -1,15 +1,15 @@
 """MuonClip on a small byte-level GPT: attention logits explode at a high Muon learning rate,
 and QK-clip (Kimi K2, arXiv 2507.20534) caps them at τ.
 
-Trains the same model twice on the bytes of the Python standard library's `.py` files, with
+Trains the example GPT (`examples/gpt.py` with `attention="clip"`) twice on the bytes of the Python standard library's `.py` files, with
 the same seed and batches: once with `mo.muon`, once with `optax.chain(mo.muon(...),
 mo.qk_clip(tau))`. Each `mo.nnx.ClipAttention` sows its per-head max pre-softmax logit S_h; the
 step passes those to the optimizer. S_h is measured in the forward pass, before the
 update, so the clipped curve sits at τ plus at most one step's growth. Writes max-logit
 and loss curves to <out-dir>/qk_clip.png and prints both final losses.
 
-    python examples/qk_clip.py                 # ~2 min on 2 CPU cores
-    python examples/qk_clip.py --steps 600 --lr 0.08 --tau 50
+    python -m examples.qk_clip                 # ~2 min on 2 CPU cores
+    python -m examples.qk_clip --steps 600 --lr 0.08 --tau 50
 """
 
 from __future__ import annotations
@@ -26,38 +26,11 @@ import optax
 from flax import nnx
 
 import muon_optax as mo
-from stdlib_text import VOCAB_SIZE, batches, eval_batches, load_splits
+from examples.gpt import GPT, GPTConfig
+from examples.stdlib_text import batches, eval_batches, load_splits
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-class Block(nnx.Module):
-  def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
-    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-    self.attn = mo.nnx.ClipAttention(heads, d, use_bias=False, rngs=rngs)  # sows max_logits
-    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-    self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
-    self.proj = nnx.Linear(4 * d, d, rngs=rngs)
-
-  def __call__(self, x):
-    x = x + self.attn(self.ln1(x))
-    return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nnx.Module):
-  def __init__(self, d: int, heads: int, layers: int, seq_len: int, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(VOCAB_SIZE, d, rngs=rngs)
-    self.pos_embed = nnx.Embed(seq_len, d, rngs=rngs)
-    self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
-    self.ln_f = nnx.LayerNorm(d, rngs=rngs)
-    self.lm_head = nnx.Linear(d, VOCAB_SIZE, use_bias=False, rngs=rngs)
-
-  def __call__(self, tokens):
-    x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))
-    for block in self.blocks:
-      x = block(x)
-    return self.lm_head(self.ln_f(x))
 
 
 def loss_and_max_logits(model, batch):
@@ -79,7 +52,9 @@ def eval_loss(model, batch):
 
 
 def train(args, tx, train_data, val_batches, label):
-  model = GPT(args.d_model, args.heads, args.layers, args.seq_len, nnx.Rngs(args.seed))
+  cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers,
+                  heads=args.heads, attention="clip", attn_bias=False)
+  model = GPT(cfg, rngs=nnx.Rngs(args.seed))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   data = batches(train_data, args.batch, args.seq_len, seed=args.seed)
   losses, max_logits = [], []

@@ -1,6 +1,6 @@
 """Train the example GPT on a simulated 8-device mesh, with ZeRO-1 and with FSDP.
 
-    python examples/sharded_training.py [--devices 8] [--steps 30]
+    python -m examples.sharded_training [--devices 8] [--steps 30]
 
 ZeRO-1: params replicated, optimizer state split along the "data" axis. FSDP: params
 (and so gradients and state) split along "data" too. In both, Muon orthogonalizes whole
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 import time
 
 
@@ -45,9 +43,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import stdlib_text  # noqa: E402
-from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+from examples import stdlib_text  # noqa: E402
+from examples.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
 
 def device_bytes(tree, device) -> int:

@@ -1,14 +1,18 @@
-"""Train a small GPT on the bytes of the Python standard library's source code, with Muon.
+"""Train a small GPT on the bytes of the Python standard library's source code with Muon
+and with AdamW, same init, same data order, and compare.
 
-    python examples/train_gpt.py                    # Muon for hidden matrices, AdamW for the rest
-    python examples/train_gpt.py --optimizer adamw  # the all-AdamW baseline
-    python examples/train_gpt.py --devices 4        # data parallel over 4 (simulated CPU) devices
-    python examples/train_gpt.py --describe         # print the routing table and exit
-    python examples/train_gpt.py --checkpoint-dir ckpt --resume  # continue after a stop
+    python -m examples.train_gpt                    # Muon (+ AdamW for the rest) vs AdamW
+    python -m examples.train_gpt --optimizer muon   # one run: Muon for hidden matrices
+    python -m examples.train_gpt --optimizer adamw  # one run: the all-AdamW baseline
+    python -m examples.train_gpt --devices 4        # data parallel over 4 (simulated CPU) devices
+    python -m examples.train_gpt --describe         # print the routing table and exit
+    python -m examples.train_gpt --checkpoint-dir ckpt --resume  # continue after a stop
 
-The default configuration is sized to finish in a few minutes on a 2-core CPU. It writes
-`loss.png` (train and validation curves) and `run.json` (config, curves, final numbers,
-machine) to --out-dir.
+Run from the repository root. The default configuration finishes in under 3 minutes on
+a 2-core CPU. AdamW's learning rate (--adam-lr, also Muon's aux AdamW) and Muon's
+(--lr) default to the best of the sweep in benchmarks/results/convergence.txt. It
+writes `loss.png` (train and validation curves of every run) and `run.json` (config,
+curves, final numbers and machine of every run) to --out-dir.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import platform
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -32,19 +35,20 @@ def _flag(default: Any, help: str) -> Any:
 class TrainConfig:
   """Everything that defines one run; every field is a command-line flag."""
 
-  optimizer: str = _flag("muon", "muon (hidden matrices; AdamW for the rest) or adamw")
+  optimizer: str = _flag("muon", "muon (hidden matrices; AdamW for the rest) or adamw; "
+                         "default: both, one after the other")
   steps: int = _flag(350, "training steps")
   d_model: int = _flag(64, "model width")
   layers: int = _flag(2, "transformer blocks")
   heads: int = _flag(4, "attention heads")
   seq_len: int = _flag(64, "context length in bytes")
   batch: int = _flag(32, "sequences per step (split over --devices)")
-  lr: float = _flag(0.02, "Muon's peak learning rate")
-  adam_lr: float = _flag(3e-3, "AdamW's peak learning rate (Muon's aux branch, or everything)")
+  lr: float = _flag(0.04, "Muon's peak learning rate")
+  adam_lr: float = _flag(6e-3, "AdamW's peak learning rate (Muon's aux branch, or everything)")
   weight_decay: float = _flag(0.0, "decoupled weight decay of the hidden matrices")
   warmup: float = _flag(0.05, "fraction of steps of linear warmup, then cosine decay to 10%%")
   seed: int = _flag(0, "model init and data order")
-  eval_every: int = _flag(100, "steps between validation losses")
+  eval_every: int = _flag(50, "steps between validation losses")
   eval_batches: int = _flag(8, "fixed validation batches")
   devices: int = _flag(1, "data-parallel devices (simulated on CPU)")
   data_root: str = _flag("", "a directory of .py files (default: this Python's stdlib)")
@@ -52,7 +56,8 @@ class TrainConfig:
   out_dir: str = _flag("runs/train_gpt", "where loss.png and run.json go")
   # Batch i is drawn from (seed, i) alone, so model, optimizer state and step are all a
   # resume needs.
-  checkpoint_dir: str = _flag("", "save model and optimizer every --eval-every steps (Orbax)")
+  checkpoint_dir: str = _flag("", "save model and optimizer every --eval-every steps (Orbax), "
+                              "in a subdirectory per optimizer")
   resume: bool = _flag(False, "continue from the latest checkpoint in --checkpoint-dir")
 
 
@@ -65,8 +70,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
     flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
     kwargs = {"help": field.metadata["help"]}
     if field.name == "optimizer":
-      kwargs["choices"] = ("muon", "adamw")
-    if isinstance(default, bool):
+      p.add_argument(flag, choices=("muon", "adamw"), default=None, **kwargs)
+    elif isinstance(default, bool):
       p.add_argument(flag, action="store_true", **kwargs)
     else:
       p.add_argument(flag, type=type(default), default=default, **kwargs)
@@ -74,7 +79,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
                  help="print the model's optimizer routing table and exit")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
-  cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+  cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                       if f.name != "optimizer"}, optimizer=args.optimizer or "muon")
   return cfg, args
 
 
@@ -98,10 +104,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import stdlib_text  # noqa: E402
-from gpt import GPT, GPTConfig, loss_fn, num_params  # noqa: E402
+from benchmarks.common import machine_info  # noqa: E402
+from examples import stdlib_text  # noqa: E402
+from examples.gpt import GPT, GPTConfig, loss_fn, num_params  # noqa: E402
 
 
 def lr_schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
@@ -144,9 +149,9 @@ def data_mesh(devices: int) -> Optional[jax.sharding.Mesh]:
     return None
   if jax.device_count() < devices:
     raise ValueError(
-        f"--devices {devices} but jax sees {jax.device_count()} device(s). Run this file "
-        "as a script (it sets XLA_FLAGS=--xla_force_host_platform_device_count=N before "
-        "importing jax), or set that flag yourself before jax is imported.")
+        f"--devices {devices} but jax sees {jax.device_count()} device(s). Run "
+        "`python -m examples.train_gpt` (it sets XLA_FLAGS=--xla_force_host_platform_"
+        "device_count=N before importing jax), or set that flag before jax is imported.")
   # Auto axes: XLA propagates the batch sharding through the model. (On an Explicit
   # mesh nnx.Embed's gather needs an out_sharding it does not yet take.)
   return jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
@@ -197,13 +202,6 @@ def restore_latest(ckpt: "mo.checkpoint.Checkpointer", model: nnx.Module,
   return restored.step
 
 
-def machine_info() -> dict[str, Any]:
-  return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-          "cpu_count": os.cpu_count(), "python": platform.python_version(),
-          "jax": jax.__version__, "backend": jax.default_backend(),
-          "devices": [str(d) for d in jax.devices()]}
-
-
 def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
           progress: Optional[bool] = True, log: Callable[[str], None] = print
           ) -> dict[str, Any]:
@@ -238,14 +236,15 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
   tokens_per_step = cfg.batch * cfg.seq_len
   show_lr = lr_schedule(cfg.lr if cfg.optimizer == "muon" else cfg.adam_lr, cfg)
 
-  ckpt = mo.checkpoint.Checkpointer(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+  ckpt_dir = pathlib.Path(cfg.checkpoint_dir) / cfg.optimizer if cfg.checkpoint_dir else None
+  ckpt = mo.checkpoint.Checkpointer(ckpt_dir) if ckpt_dir else None
   if cfg.resume and ckpt is None:
     raise ValueError("--resume needs --checkpoint-dir.")
   start_step = restore_latest(ckpt, model, optimizer) if cfg.resume else 0
   if start_step >= cfg.steps:
     raise ValueError(f"the checkpoint is at step {start_step}; raise --steps to train further.")
   if start_step:
-    log(f"resumed from step {start_step} in {cfg.checkpoint_dir}")
+    log(f"{cfg.optimizer}: resumed from step {start_step} in {ckpt_dir}")
   data = stdlib_text.batches(train_data, cfg.batch, cfg.seq_len, cfg.seed, start_step=start_step)
   train_losses: list[float] = []
   val_curve: list[tuple[int, float]] = []
@@ -280,7 +279,7 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
                   metadata={"val_loss": val_curve[-1][1]})
       t_log = time.perf_counter()  # tokens/s counts training only
       eval_s += t_log - t_eval
-      log(f"step {step + 1:>6}  train {np.mean(train_losses[-10:]):.4f}  "
+      log(f"{cfg.optimizer:<5} step {step + 1:>6}  train {np.mean(train_losses[-10:]):.4f}  "
           f"val {val_curve[-1][1]:.4f}")
   bar.close()
   if ckpt is not None:
@@ -347,12 +346,38 @@ def summary_table(records: list[dict[str, Any]]) -> str:
   return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
+def steps_to_reach(val_curve: list[tuple[int, float]], target: float) -> Optional[float]:
+  """First step at which the validation curve reaches `target`, linearly interpolated
+  between evaluations (from step 0, where no curve is below target); None if never."""
+  prev_step, prev_loss = 0, float("inf")
+  for step, loss in val_curve:
+    if loss <= target:
+      if not np.isfinite(prev_loss):
+        return float(step)
+      return prev_step + (step - prev_step) * (prev_loss - target) / (prev_loss - loss)
+    prev_step, prev_loss = step, loss
+  return None
+
+
+def comparison(muon: dict[str, Any], adamw: dict[str, Any]) -> str:
+  """One line: final validation losses, and when Muon reached AdamW's final one."""
+  target = adamw["final_val_loss"]
+  reach = steps_to_reach(muon["val_loss"], target)
+  when = (f"never reached AdamW's final val loss {target:.4f}" if reach is None else
+          f"reached AdamW's final val loss {target:.4f} at step {reach:.0f} of "
+          f"{muon['steps']} ({reach / muon['steps']:.2f} of the steps)")
+  return (f"final val loss: Muon {muon['final_val_loss']:.4f}, AdamW {target:.4f}; "
+          f"Muon {when}")
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  """Runs the command line; returns the run record (also written to --out-dir/run.json)."""
+  """Runs the command line; returns {"runs": [run record, ...], "total_time_s": ...},
+  also written to --out-dir/run.json."""
   t0 = time.perf_counter()
   cfg, args = parse_args(argv)
+  optimizers = [args.optimizer] if args.optimizer else ["muon", "adamw"]
   model = make_model(cfg)
-  if cfg.optimizer == "muon" or args.describe:
+  if "muon" in optimizers or args.describe:
     print(mo.describe(nnx.state(model, nnx.Param)))
   if args.describe:
     return {}
@@ -360,21 +385,25 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   print(f"data: {len(train_split.files)} train files ({len(train_split.data):,} bytes), "
         f"{len(val_split.files)} validation files ({len(val_split.data):,} bytes) from "
         f"{cfg.data_root or stdlib_text.stdlib_root()}")
-  print(f"model: {num_params(model):,} parameters; {cfg.optimizer}; "
+  print(f"model: {num_params(model):,} parameters; {' vs '.join(optimizers)} (Muon lr "
+        f"{cfg.lr:g}, AdamW lr {cfg.adam_lr:g}), same init and data order; "
         f"{jax.default_backend()} × {cfg.devices}")
-  record = train(cfg, train_split.data, val_split.data, progress=not args.no_progress,
-                 log=tqdm.write)
-  record["total_time_s"] = time.perf_counter() - t0  # including data loading
+  records = [train(dataclasses.replace(cfg, optimizer=name), train_split.data, val_split.data,
+                   progress=not args.no_progress, log=tqdm.write) for name in optimizers]
+  result = {"runs": records, "total_time_s": time.perf_counter() - t0}  # with data loading
   out = pathlib.Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "run.json").write_text(json.dumps(record, indent=1))
-  plot_runs([record], out / "loss.png",
-            title=f"GPT {cfg.layers}×{cfg.d_model} on stdlib bytes, {cfg.optimizer}")
+  (out / "run.json").write_text(json.dumps(result, indent=1))
+  plot_runs(records, out / "loss.png",
+            title=f"GPT {cfg.layers}×{cfg.d_model} on stdlib bytes: {' vs '.join(optimizers)}")
   print()
-  print(summary_table([record]))
-  print(f"\ncompile {record['compile_s']:.1f}s, {record['tokens_per_s']:,.0f} tokens/s, "
-        f"total {record['total_time_s']:.1f}s; wrote {out / 'loss.png'} and {out / 'run.json'}")
-  return record
+  print(summary_table(records))
+  if len(records) == 2:
+    print("\n" + comparison(*records))
+  for r in records:
+    print(f"{r['optimizer']}: compile {r['compile_s']:.1f}s, {r['tokens_per_s']:,.0f} tokens/s")
+  print(f"total {result['total_time_s']:.1f}s; wrote {out / 'loss.png'} and {out / 'run.json'}")
+  return result
 
 
 if __name__ == "__main__":

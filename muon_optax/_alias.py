@@ -11,7 +11,7 @@ import optax
 from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
-from muon_optax import _adamw, _offload, _paths, _routing
+from muon_optax import _adamw, _offload, _paths, _routing, _validate
 from muon_optax._matrix_view import ViewFn, view_fn
 from muon_optax._momentum import scale_by_muon_momentum
 from muon_optax._newton_schulz import Schedule
@@ -78,6 +78,13 @@ class AuxAdam:
   mu_dtype: Optional[Any] = None
   backend: str = "optax"  # "optax", "offload" or "reference"; see `adamw`.
 
+  def __post_init__(self):
+    _validate.learning_rate("AuxAdam learning_rate", self.learning_rate)
+    _validate.decay_rate("AuxAdam b1", self.b1)
+    _validate.decay_rate("AuxAdam b2", self.b2)
+    _validate.positive("AuxAdam eps", self.eps)
+    _validate.weight_decay("AuxAdam weight_decay", self.weight_decay)
+
   def transform(self) -> optax.GradientTransformation:
     return _adamw.adamw(
         self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
@@ -106,6 +113,7 @@ def muon(
     weight_decay_mask: Mask = None,
     mu_dtype: Optional[Any] = None,
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    adam_learning_rate: Optional[ScalarOrSchedule] = None,
     adam_backend: Optional[str] = None,
     offload_momentum: bool = False,
     labels: _routing.Labels = None,
@@ -129,6 +137,9 @@ def muon(
     scale: "jordan", "moonlight" or None (see `scale_by_shape`).
     weight_decay, weight_decay_mask: decoupled weight decay of the Muon branch.
     adam: `AuxAdam` settings, or any optax transform, for the non-Muon leaves.
+    adam_learning_rate: overrides `adam.learning_rate` (a number, scalar array or
+      schedule); unlike a rate inside `AuxAdam`, it can be injected with
+      `optax.inject_hyperparams`, like `learning_rate`.
     adam_backend: overrides `adam.backend`: "optax", "offload" or "reference" (see
       `adamw`; `convert_adam_state` moves a state between them).
     offload_momentum: keep the Muon momentum in host memory between steps (see
@@ -147,6 +158,10 @@ def muon(
     An `optax.GradientTransformationExtraArgs`. Under `optax.inject_hyperparams`
     pass `static_args=("ns_steps",)` (and any callable option such as `labels`).
 
+  Raises:
+    ValueError: a learning rate that is not a number, scalar array or schedule; beta
+      outside [0, 1); ns_steps not a positive int; a negative weight decay.
+
   Example:
     >>> import jax, jax.numpy as jnp, optax, muon_optax as mo
     >>> params = {"embed": {"embedding": jnp.ones((10, 4))},
@@ -159,6 +174,12 @@ def muon(
     Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks".
     Liu et al. 2025, "Muon is scalable for LLM training", arXiv 2502.16982.
   """
+  _validate.learning_rate("learning_rate", learning_rate)
+  _validate.decay_rate("beta", beta)
+  _validate.positive_int("ns_steps", ns_steps)
+  _validate.weight_decay("weight_decay", weight_decay)
+  if adam_learning_rate is not None:
+    _validate.learning_rate("adam_learning_rate", adam_learning_rate)
   views = view_fn(views, per_head)
   muon_branch = optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns=ns, ns_steps=ns_steps, scale=scale,
@@ -174,6 +195,11 @@ def muon(
     if not isinstance(adam, AuxAdam):
       raise ValueError("adam_backend= applies to AuxAdam settings, not to a custom adam transform.")
     adam = dataclasses.replace(adam, backend=adam_backend)
+  if adam_learning_rate is not None:
+    if not isinstance(adam, AuxAdam):
+      raise ValueError("adam_learning_rate= applies to AuxAdam settings, not to a custom adam "
+                       "transform: give that transform its own learning rate.")
+    adam = dataclasses.replace(adam, learning_rate=adam_learning_rate)
   transforms = {
       _routing.MUON: muon_branch,
       _routing.ADAM: adam.transform() if isinstance(adam, AuxAdam) else adam,

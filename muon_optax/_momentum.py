@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from muon_optax import _validate
+
 
 class MuonMomentumState(NamedTuple):
   mu: optax.Updates  # EMA of gradients, params' shapes, dtype mu_dtype or the params'.
@@ -41,6 +43,7 @@ def scale_by_muon_momentum(
     >>> float(u["w"][0, 0])  # 0.1 + 0.9 * 0.1
     0.19...
   """
+  _validate.decay_rate("beta", beta)
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
 
   def init_fn(params):

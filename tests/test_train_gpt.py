@@ -1,16 +1,14 @@
-"""The main example end to end on a tiny config, and its standard-library data loader."""
+"""The main example end to end on a tiny config, the example GPT, and its standard-library
+data loader. Run from the repository root (`python -m pytest`), which makes `examples`
+importable."""
 
 import json
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import stdlib_text  # noqa: E402
+from examples import stdlib_text, train_gpt
 
 # A real but small corner of the standard library keeps the data loading quick.
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32",
@@ -28,29 +26,46 @@ def _write_tree(root: pathlib.Path, n: int) -> None:
   (root / "notes.txt").write_text("not python\n")
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
-def test_train_gpt_smoke(tmp_path, optimizer):
-  import train_gpt
-
-  record = train_gpt.main(TINY + ["--optimizer", optimizer, "--steps", "12",
-                                  "--eval-every", "6", "--out-dir", str(tmp_path)])
-  losses = record["train_loss"]
-  assert len(losses) == 12 and np.all(np.isfinite(losses))
-  assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
-  assert record["val_loss"][-1][1] < record["val_loss"][0][1]
+def test_train_gpt_compares_muon_and_adamw_on_the_same_data(tmp_path, capsys):
+  """The default run trains both optimizers from the same init on the same batches."""
+  result = train_gpt.main(TINY + ["--steps", "12", "--eval-every", "6",
+                                  "--out-dir", str(tmp_path)])
+  muon, adamw = result["runs"]
+  assert (muon["optimizer"], adamw["optimizer"]) == ("muon", "adamw")
+  # Same init, same first batch: the loss before any update is the same program's output.
+  assert muon["train_loss"][0] == adamw["train_loss"][0]
+  for record in (muon, adamw):
+    losses = record["train_loss"]
+    assert len(losses) == 12 and np.all(np.isfinite(losses))
+    assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
+    assert record["val_loss"][-1][1] < record["val_loss"][0][1]
   assert (tmp_path / "loss.png").stat().st_size > 0
   saved = json.loads((tmp_path / "run.json").read_text())
-  assert saved["optimizer"] == optimizer and saved["steps"] == 12
-  assert saved["final_val_loss"] == pytest.approx(record["val_loss"][-1][1])
+  assert [r["optimizer"] for r in saved["runs"]] == ["muon", "adamw"]
+  assert saved["runs"][1]["final_val_loss"] == pytest.approx(adamw["val_loss"][-1][1])
+  out = capsys.readouterr().out
+  assert "final val loss: Muon" in out and out.count("\nmuon ") + out.count("\nadamw ") >= 2
+
+
+def test_train_gpt_optimizer_flag_runs_one(tmp_path):
+  result = train_gpt.main(TINY + ["--optimizer", "adamw", "--steps", "2", "--eval-every", "2",
+                                  "--out-dir", str(tmp_path)])
+  assert [r["optimizer"] for r in result["runs"]] == ["adamw"]
+  assert len(json.loads((tmp_path / "run.json").read_text())["runs"]) == 1
+
+
+def test_steps_to_reach_interpolates_between_evaluations():
+  curve = [(10, 3.0), (20, 2.0), (30, 1.0)]
+  assert train_gpt.steps_to_reach(curve, 1.5) == 25.0
+  assert train_gpt.steps_to_reach(curve, 3.5) == 10.0
+  assert train_gpt.steps_to_reach(curve, 0.5) is None
 
 
 def test_train_gpt_data_parallel_matches_one_device(tmp_path):
   """--devices 2 shards the batch over a "data" mesh; the maths must not change."""
-  import train_gpt
-
-  args = TINY + ["--steps", "3", "--eval-every", "3"]
-  one = train_gpt.main(args + ["--out-dir", str(tmp_path / "one")])
-  two = train_gpt.main(args + ["--devices", "2", "--out-dir", str(tmp_path / "two")])
+  args = TINY + ["--optimizer", "muon", "--steps", "3", "--eval-every", "3"]
+  one = train_gpt.main(args + ["--out-dir", str(tmp_path / "one")])["runs"][0]
+  two = train_gpt.main(args + ["--devices", "2", "--out-dir", str(tmp_path / "two")])["runs"][0]
   np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=1e-5, atol=1e-5)
 
 
@@ -58,22 +73,45 @@ def test_train_gpt_resume_matches_the_uninterrupted_run(tmp_path):
   """--checkpoint-dir saves every --eval-every steps; --resume continues from the latest."""
   import shutil
 
-  import train_gpt
-
-  args = TINY + ["--steps", "4", "--eval-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
-  full = train_gpt.main(args + ["--out-dir", str(tmp_path / "full")])
-  shutil.rmtree(tmp_path / "ckpt" / "4")  # as if stopped between the saves of steps 2 and 4
-  resumed = train_gpt.main(args + ["--resume", "--out-dir", str(tmp_path / "resumed")])
+  args = TINY + ["--optimizer", "muon", "--steps", "4", "--eval-every", "2",
+                 "--checkpoint-dir", str(tmp_path / "ckpt")]
+  full = train_gpt.main(args + ["--out-dir", str(tmp_path / "full")])["runs"][0]
+  # As if stopped between the saves of steps 2 and 4 (one subdirectory per optimizer).
+  shutil.rmtree(tmp_path / "ckpt" / "muon" / "4")
+  resumed = train_gpt.main(args + ["--resume", "--out-dir", str(tmp_path / "resumed")])["runs"][0]
   assert resumed["start_step"] == 2
   assert resumed["train_loss"] == full["train_loss"][2:]  # same program, same data: bit-exact
   assert resumed["val_loss"] == full["val_loss"][1:]
+
+
+def test_clip_attention_gpt_has_the_same_params_and_sows_max_logits():
+  """`attention="clip"` (examples/qk_clip.py) changes only what the attention sows."""
+  import jax
+  import jax.numpy as jnp
+  import muon_optax as mo
+  from flax import nnx
+  from examples.gpt import GPT, GPTConfig
+
+  cfg = GPTConfig(d_model=32, layers=2, heads=2, seq_len=16)
+  plain, clip = (GPT(GPTConfig(**{**cfg.__dict__, "attention": a}), rngs=nnx.Rngs(0))
+                 for a in ("mha", "clip"))
+  p_plain, p_clip = (nnx.state(m, nnx.Param) for m in (plain, clip))
+  assert jax.tree.structure(p_plain) == jax.tree.structure(p_clip)
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+  logits, inter = nnx.capture(clip, nnx.Intermediate)(tokens)
+  # Same weights, same causal attention through another attention_fn: the same logits
+  # up to float32 rounding of a differently ordered softmax (~100 ulps of O(1) values).
+  np.testing.assert_allclose(logits, plain(tokens), rtol=1e-5, atol=1e-5)
+  sown = mo.max_logits(inter)
+  assert sorted(sown) == ["blocks/0/attn", "blocks/1/attn"]
+  assert all(s.shape == (2,) and jnp.all(jnp.isfinite(s)) for s in sown.values())
 
 
 def test_gpt_routing_sends_embeddings_and_head_to_adam():
   import jax
   import muon_optax as mo
   from flax import nnx
-  from gpt import GPT, GPTConfig
+  from examples.gpt import GPT, GPTConfig
 
   for tie in (False, True):
     model = GPT(GPTConfig(d_model=32, layers=1, heads=2, seq_len=16, tie_embeddings=tie),
