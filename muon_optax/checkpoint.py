@@ -236,8 +236,8 @@ class Checkpointer:
     max_to_keep: how many of the most recent checkpoints to keep; None keeps all.
     async_save: write in a background thread; `save` returns once the arrays are
       copied off the devices. `wait()` blocks until the writes are committed.
-    labels, views, per_head: the routing settings given to `muon` (None: the
-      defaults). They are recorded with each checkpoint and used to convert the AdamW
+    routing (or its shorthands labels, views, per_head): the routing given to `muon`
+      (None: the defaults), e.g. a `Routing` from `infer_routing`. It is recorded with each checkpoint and used to convert the AdamW
       state between backends on restore.
     data_axis: the data-parallel mesh axis along which state converted from another
       AdamW backend is laid out while it is read.
@@ -258,11 +258,13 @@ class Checkpointer:
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = 3,
                async_save: bool = True, labels: _routing.Labels = None,
-               views: Optional[ViewFn] = None, per_head: bool = False, data_axis: str = "data"):
+               views: Optional[ViewFn] = None, per_head: bool = False, data_axis: str = "data",
+               routing: Optional[_routing.Routing] = None):
     ocp = _ocp()
     self.directory = os.path.abspath(os.fspath(directory))
-    self.labels, self.data_axis = labels, data_axis
-    self.views = view_fn(views, per_head)
+    routing = _routing.as_routing(routing=routing, labels=labels, views=views, per_head=per_head)
+    self.labels, self.data_axis = routing, data_axis
+    self.views = routing.view
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)  # drop what a killed save left behind
