@@ -104,14 +104,16 @@ def _matrix_view(batch, fan_in, fan_out, rank) -> Optional[MatrixView]:
   return MatrixView(tuple(sorted(set(batch) | rest)), tuple(fan_in), tuple(fan_out))
 
 
-def _dot_use(eqn, side: int, t: _Track, rank: int) -> _Use:
+def _dot_use(eqn, side: int, t: _Track, shape) -> _Use:
   (contract, batch_dims) = eqn.params["dimension_numbers"]
   c, b = set(contract[side]), set(batch_dims[side])
   fan_in = [a for k in c for a in t.dims[k]]
   batch = [a for k in b for a in t.dims[k]] + list(t.sliced)
   fan_out = [a for k, d in enumerate(t.dims) if k not in c | b for a in d]
-  view = _matrix_view(batch, fan_in, fan_out, rank)
-  return _Use("dot", view, "dot_general" if view else "dot_general on part of an axis")
+  view = _matrix_view(batch, fan_in, fan_out, len(shape))
+  if view is None:
+    return _Use("dot", None, "dot_general on part of an axis")
+  return _Use("dot", view, f"dot_general as {view.describe(shape)}")
 
 
 def _conv_use(eqn, t: _Track, rank: int, shape) -> _Use:
@@ -189,7 +191,7 @@ class _Walker:
       return [None] * n_out, [union] * n_out
     if name == "dot_general":
       for k, t in tracked:
-        self.use(t.leaf, _dot_use(eqn, k, t, len(self.shapes[t.leaf])))
+        self.use(t.leaf, _dot_use(eqn, k, t, self.shapes[t.leaf]))
       return [None], [frozenset(t.leaf for _, t in tracked)]
     if name == "conv_general_dilated":
       for k, t in tracked:

@@ -157,7 +157,7 @@ def test_moe_expert_stack_routing_and_views():
   rules = [(r"router", "adam"), *mo.DEFAULT_RULES]
   assert labels_by_path(params, rules=rules) == {
       "moe/router/kernel": "adam", "moe/experts/w_in": "muon", "moe/experts/w_out": "muon"}
-  table = mo.describe(params, rules)
+  table = mo.describe(params, rules=rules)
   assert "4×(16×64)" in table and "4×(64×16)" in table
 
 
