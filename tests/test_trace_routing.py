@@ -403,3 +403,47 @@ def test_checkpointer_takes_the_routing(tmp_path):
   converted = mo.convert_adam_state(state, params, "flat", labels=routing)
   u, _ = mo.muon(0.02, routing=routing, adam_backend="flat").update(params, converted, params)
   assert jax.tree.structure(u) == jax.tree.structure(params)
+
+
+def test_given_views_replace_inferred_ones():
+  params = {"stack": jnp.ones((3, 16, 8)), "head": jnp.ones((16, 2))}
+  f = lambda p, x: jax.vmap(lambda w: x @ w.T, out_axes=0)(p["stack"]).mean(0) @ p["head"]
+  inferred = mo.infer_routing(f, params, jnp.ones((4, 8)))
+  assert table(inferred)["stack"] == ("muon", V((), (2,), (0, 1)))  # one wide matrix
+  stacked = V((0,), (2,), (1,))
+  given = mo.infer_routing(f, params, jnp.ones((4, 8)),
+                           views=lambda path, shape: stacked if path == "stack" else None)
+  assert table(given)["stack"] == ("muon", stacked)
+  assert_muon_update_is_ns_of_each_view(given, params)
+
+
+def test_shard_map_body_is_followed():
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  spec = jax.sharding.PartitionSpec
+  params = {"w": jnp.ones((8, 16)), "v": jnp.ones((16, 8)), "head": jnp.ones((8, 3))}
+
+  def f(p, x):
+    body = jax.shard_map(lambda x, w, v: jnp.tanh(x @ w) @ v, mesh=mesh,
+                         in_specs=(spec("data"), spec(), spec()), out_specs=spec("data"))
+    return body(x, p["w"], p["v"]) @ p["head"]
+
+  x = jax.device_put(jnp.ones((8, 8)), jax.sharding.NamedSharding(mesh, spec("data")))
+  routing = mo.infer_routing(f, params, x)
+  assert table(routing) == {"w": ("muon", V((), (0,), (1,))), "v": ("muon", V((), (0,), (1,))),
+                            "head": ("adam", None)}
+
+
+def test_while_loop_and_cond_bodies_are_followed():
+  params = {"w": jnp.ones((3, 8, 8)), "a": jnp.ones((8, 8)), "b": jnp.ones((8, 8)),
+            "head": jnp.ones((8, 2))}
+
+  def f(p, x, n):
+    def body(carry):
+      i, x = carry
+      x = jax.lax.cond(i % 2 == 0, lambda x: x @ p["a"], lambda x: jnp.tanh(x @ p["b"]), x)
+      return i + 1, x @ jax.lax.dynamic_index_in_dim(p["w"], i % 3, keepdims=False)
+    return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1] @ p["head"]
+
+  routing = mo.infer_routing(f, params, jnp.ones((2, 8)), jnp.int32(5))
+  assert table(routing) == {"w": ("muon", V((0,), (1,), (2,))), "a": ("muon", V((), (0,), (1,))),
+                            "b": ("muon", V((), (0,), (1,))), "head": ("adam", None)}
