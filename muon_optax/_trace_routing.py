@@ -134,7 +134,9 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
   nnx = sys.modules.get("flax.nnx")
   if nnx is not None and isinstance(f, nnx.Module):
     graphdef, params, rest = nnx.split(f, nnx.Param, ...)
-    fn = lambda p, *a, **k: nnx.merge(graphdef, p, rest)(*a, **k)
+    # The rest (batch stats, RNG counts) is traced too, so that the call may update it.
+    fn = lambda p, rest, *a, **k: nnx.merge(graphdef, p, rest)(*a, **k)
+    args = (rest, *args)
   elif not args:
     raise ValueError("infer_routing(f, params, *args): pass the params to route.")
   else:

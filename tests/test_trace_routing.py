@@ -447,3 +447,32 @@ def test_while_loop_and_cond_bodies_are_followed():
   routing = mo.infer_routing(f, params, jnp.ones((2, 8)), jnp.int32(5))
   assert table(routing) == {"w": ("muon", V((0,), (1,), (2,))), "a": ("muon", V((), (0,), (1,))),
                             "b": ("muon", V((), (0,), (1,))), "head": ("adam", None)}
+
+
+class Trainable(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(4, 8, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(self.drop(self.bn(self.l1(x))))
+
+
+def test_nnx_model_in_training_mode_is_left_as_it_was_and_trains_with_the_routing():
+  model = Trainable(nnx.Rngs(0))
+  as_np = lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key) else x)
+  before = jax.tree.map(as_np, nnx.state(model, nnx.Not(nnx.Param)))
+  routing = mo.infer_routing(model, jnp.ones((3, 4)))
+  after = jax.tree.map(as_np, nnx.state(model, nnx.Not(nnx.Param)))
+  jax.tree.map(np.testing.assert_array_equal, before, after)
+  labels = dict(leaves_with_path(routing.labels(nnx.state(model, nnx.Param))))
+  assert labels == {"l1/kernel": "muon", "l1/bias": "adam", "bn/scale": "adam",
+                    "bn/bias": "adam", "l2/kernel": "adam", "l2/bias": "adam"}
+  optimizer = nnx.Optimizer(model, mo.muon(0.02, routing=routing), wrt=nnx.Param)
+  kernel = np.asarray(model.l1.kernel[...])
+  grads = nnx.grad(lambda m: (m(jnp.ones((3, 4))) ** 2).mean())(model)
+  optimizer.update(model, grads)
+  assert not np.allclose(model.l1.kernel[...], kernel)
