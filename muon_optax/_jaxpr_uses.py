@@ -34,7 +34,10 @@ def _reshape(in_shape, out_shape, dims):
   """Leaf axes per output dim of a reshape: merged dims join, split dims share."""
   sliced, src = set(), []
   for s, d in zip(in_shape, dims):
-    (sliced.update(d) if s == 1 else src.append((s, d)))
+    if s == 1:
+      sliced.update(d)
+    else:
+      src.append((s, d))
   out = [()] * len(out_shape)
   tgt = [i for i, s in enumerate(out_shape) if s != 1]
   i = j = 0
@@ -74,7 +77,10 @@ def _layout(eqn, t: Track) -> Optional[Track]:
   if name == "broadcast_in_dim":
     dims, gone = [()] * len(out_shape), set()
     for k, o in enumerate(p["broadcast_dimensions"]):
-      (dims.__setitem__(o, t.dims[k]) if in_shape[k] == out_shape[o] else gone.update(t.dims[k]))
+      if in_shape[k] == out_shape[o]:
+        dims[o] = t.dims[k]
+      else:  # a size-1 axis stretched: no longer the leaf's
+        gone.update(t.dims[k])
     return t._replace(dims=tuple(dims), sliced=t.sliced | gone)
   if name == "dynamic_slice":
     dims, gone, dynamic = list(t.dims), set(), t.dynamic
@@ -105,6 +111,8 @@ def _dot_use(eqn, side: int, t: Track, shape) -> Use:
   fan_in = [a for k in c for a in t.dims[k]]
   batch = [a for k in b for a in t.dims[k]] + list(t.sliced)
   fan_out = [a for k, d in enumerate(t.dims) if k not in c | b for a in d]
+  if not fan_in or not fan_out:  # a vector (a looked-up row, an outer product), not a weight
+    return Use("dynamic" if t.dynamic else "elementwise", None, "dot_general as a vector")
   view = _matrix_view(batch, fan_in, fan_out, len(shape))
   if view is None:
     return Use("dot", None, "dot_general on part of an axis")
@@ -180,9 +188,7 @@ class Walker:
     name, n_out = eqn.primitive.name, len(eqn.outvars)
     union = frozenset().union(*ls)
     tracked = [(k, t) for k, t in enumerate(ts) if t is not None]
-    if not tracked:
-      if name in ("scan", "while", "cond") or _sub_jaxpr(eqn) is not None:
-        return self.control(eqn, ts, ls)
+    if not tracked:  # no parameter inside either, so nothing resets what it carries
       return [None] * n_out, [union] * n_out
     if name == "dot_general":
       for k, t in tracked:

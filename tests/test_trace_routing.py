@@ -476,3 +476,13 @@ def test_nnx_model_in_training_mode_is_left_as_it_was_and_trains_with_the_routin
   grads = nnx.grad(lambda m: (m(jnp.ones((3, 4))) ** 2).mean())(model)
   optimizer.update(model, grads)
   assert not np.allclose(model.l1.kernel[...], kernel)
+
+
+def test_a_row_looked_up_by_dynamic_index_is_an_embedding_even_when_multiplied():
+  params = {"table": jnp.ones((10, 8)), "w": jnp.ones((8, 8)), "head": jnp.ones((8, 2))}
+  f = lambda p, tok: jnp.tanh(jax.lax.dynamic_index_in_dim(p["table"], tok, keepdims=False)
+                              @ p["w"]) @ p["head"]
+  routing = mo.infer_routing(f, params, jnp.int32(3))
+  assert table(routing) == {"table": ("adam", None), "w": ("muon", V((), (0,), (1,))),
+                            "head": ("adam", None)}
+  assert routing.decisions["table"][1].reason == "dynamic index → embedding"
