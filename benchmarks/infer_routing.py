@@ -6,6 +6,7 @@ is tracing `model(tokens)` to a jaxpr and reading it. Prints one line per varian
 
 from __future__ import annotations
 
+import pathlib
 import sys
 import time
 
@@ -13,12 +14,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
 import muon_optax as mo  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+from _machine import machine  # noqa: E402  (benchmarks/ is on sys.path)
+from gpt import GPT, GPTConfig  # noqa: E402
 
 
 def main(repeats: int = 3) -> None:
+  print(f"machine: {machine()}")
   for tied in (False, True):
     cfg = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, layers=12, heads=12,
                     tie_embeddings=tied)
@@ -33,8 +37,7 @@ def main(repeats: int = 3) -> None:
     labels = [d.label for _, d in routing.decisions.values()]
     print(f"GPT-2 small ({n / 1e6:.1f}M params, tied={tied}): infer_routing best "
           f"{min(times):.3f} s, first {times[0]:.3f} s over {repeats} runs; "
-          f"{labels.count('muon')} muon / {labels.count('adam')} adam leaves "
-          f"[{jax.devices()[0].platform}]")
+          f"{labels.count('muon')} muon / {labels.count('adam')} adam leaves")
 
 
 if __name__ == "__main__":
