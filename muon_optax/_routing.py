@@ -51,16 +51,12 @@ def rule_reason(path: str, leaf: Any) -> tuple[Optional[str], str]:
 
 
 def default_rule(path: str, leaf: Any) -> Optional[str]:
-  """The default routing by name: hidden weight matrices to Muon, everything else to AdamW.
-
-  Scalars and 1-D leaves, biases (2-D ones too), norm parameters (a leaf named
-  scale, or one whose module is norm, ln_f, LayerNorm_0, rmsnorm, ...), embeddings
-  (embedding, wte, tok_embeddings, ...) and the output head (lm_head, head,
-  classifier, unembed, ...) go to "adam"; a leaf of rank ≥ 2 named kernel / weight /
-  w* goes to "muon". Names are matched as whole path components of the leaf or its
-  module. Anything else is left unplaced, so that a surprise is an error. Name rules
-  cannot tell a head named Dense_2 or out from a hidden layer; `infer_routing` can.
-  """
+  """The default routing by name: rank < 2, biases, norms (scale, norm, ln_f, LayerNorm_0,
+  ...), embeddings (embedding, wte, tok_embeddings, ...) and heads (lm_head, head,
+  classifier, unembed, ...) → "adam"; kernel / weight / w* of rank ≥ 2 → "muon"; else
+  None, so that a surprise is an error. Whole path components of the leaf or its module
+  are matched. A head named like a hidden layer (Dense_2, out) goes to Muon: use
+  `infer_routing`, which sees it."""
   return rule_reason(path, leaf)[0]
 
 
@@ -84,7 +80,8 @@ def check_rules(rules: Sequence[Rule]) -> tuple[Rule, ...]:
   return tuple(rules)
 
 
-def _apply_rules(rules: Sequence[Rule], path: str, leaf: Any) -> tuple[str, str]:
+def first_match(rules: Sequence[Rule], path: str, leaf: Any) -> Optional[tuple[str, str]]:
+  """(label, reason) from the first rule that places the leaf, or None."""
   for rule in rules:
     if rule is default_rule:
       label, why = rule_reason(path, leaf)
@@ -94,6 +91,13 @@ def _apply_rules(rules: Sequence[Rule], path: str, leaf: Any) -> tuple[str, str]
       label, why = (rule[1] if re.search(rule[0], path) else None), f"rule {rule[0]!r}"
     if label is not None:
       return label, why
+  return None
+
+
+def _apply_rules(rules: Sequence[Rule], path: str, leaf: Any) -> tuple[str, str]:
+  found = first_match(rules, path, leaf)
+  if found is not None:
+    return found
   raise ValueError(
       f"no routing rule places parameter {path!r} (shape {np.shape(leaf)}). Add a rule "
       "such as (r'<regex>', 'muon' | 'adam' | 'frozen'), end your rules with "
@@ -135,9 +139,8 @@ def expand_labels(label_tree: Any, params: Any) -> Any:
                         and r[1] in LABELS and r[0] not in LABELS) for r in label_tree):
       hint = (" It looks like routing rules: pass them as rules=[...] or "
               "routing=muon_optax.Routing.from_rules([...]).")
-    raise ValueError("the label tree does not match the params tree (it must have the "
-                     f"params' structure or a prefix of it, as in optax.partition): {e}.{hint}"
-                     ) from None
+    raise ValueError("the label tree does not match the params tree (it must have the params' "
+                     f"structure or a prefix of it, as in optax.partition): {e}.{hint}") from None
 
 
 class Decision(NamedTuple):
@@ -182,15 +185,27 @@ class Routing:
     """A label pytree (or a prefix of one), or a callable params -> label pytree."""
     return cls(label_source=labels, views=views, per_head=per_head)
 
+  def _find(self, path: str, shape: tuple[int, ...]) -> Optional[Decision]:
+    """The decision for `path`, or for the one inferred path that ends with it (a
+    Routing inferred from Linen `variables` serves `variables["params"]` too)."""
+    found = self.decisions.get(path)
+    if found is None:
+      matches = [v for k, v in self.decisions.items() if k.endswith("/" + path)]
+      found = matches[0] if len(matches) == 1 else None
+    return found[1] if found is not None and found[0] == shape else None
+
   def _decision(self, path: str, leaf: Any) -> Decision:
     shape = tuple(np.shape(leaf))
-    if path not in self.decisions or self.decisions[path][0] != shape:
-      known = list(self.decisions)[:3]
+    decision = self._find(path, shape)
+    if decision is None:
       raise ValueError(
           f"parameter {path!r} of shape {shape} is not in this Routing (inferred for "
-          f"{len(self.decisions)} leaves such as {known} with their shapes); infer it again "
-          "from these params.")
-    return self.decisions[path][1]
+          f"{list(self.decisions)[:3]}, ...); infer it again from these params.")
+    return decision
+
+  def _given(self, params: Any) -> Any:
+    source = self.label_source
+    return expand_labels(source(params) if callable(source) else source, params)
 
   def decide(self, params: Any) -> list[tuple[str, Any, Decision]]:
     """(path, leaf, Decision) of every leaf of `params`, in tree order."""
@@ -198,16 +213,12 @@ class Routing:
     if self.decisions is not None:
       return [(p, x, self._decision(p, x)) for p, x in pairs]
     if self.rules is not None:
-      found = [(p, x, _apply_rules(self.rules, p, x)) for p, x in pairs]
-      reasons = [(p, x, label, why) for p, x, (label, why) in found]
+      found = [_apply_rules(self.rules, p, x) for p, x in pairs]
     else:
-      source = self.label_source
-      tree = expand_labels(source(params) if callable(source) else source, params)
-      labels = [l for _, l in _paths.leaves_with_path(tree)]
-      reasons = [(p, x, l, "given label") for (p, x), l in zip(pairs, labels)]
+      found = [(l, "given label") for _, l in _paths.leaves_with_path(self._given(params))]
     views = view_fn(self.views, self.per_head)
     return [(p, x, Decision(l, views(p, tuple(np.shape(x))) if l == MUON else None, why))
-            for p, x, l, why in reasons]
+            for (p, x), (l, why) in zip(pairs, found)]
 
   def labels(self, params: Any) -> Any:
     """The label pytree of `params` ("muon", "adam" or "frozen" per leaf)."""
@@ -215,20 +226,14 @@ class Routing:
       return _paths.map_with_path(lambda p, x: self._decision(p, x).label, params)
     if self.rules is not None:
       return _paths.map_with_path(lambda p, x: _apply_rules(self.rules, p, x)[0], params)
-    source = self.label_source
-    return expand_labels(source(params) if callable(source) else source, params)
+    return self._given(params)
 
   def view(self, path: str, shape: tuple[int, ...]) -> Optional[MatrixView]:
     """The matrix view of the leaf at `path` with logical `shape` (a `ViewFn`)."""
-    if self.decisions is not None and path in self.decisions:
-      known_shape, decision = self.decisions[path]
-      if decision.view is not None and tuple(shape) == known_shape:
-        return decision.view
+    decision = None if self.decisions is None else self._find(path, tuple(shape))
+    if decision is not None and decision.view is not None:
+      return decision.view
     return view_fn(self.views, self.per_head)(path, tuple(shape))
-
-  @property
-  def by_name(self) -> bool:
-    return self.rules is not None
 
   def __str__(self) -> str:
     if self.decisions is None:
@@ -243,7 +248,8 @@ def as_routing(*, routing: Optional[Routing] = None, labels: Labels = None,
   """The one Routing meant by the `routing=` / `labels=` / `rules=` / `views=` shorthands."""
   if isinstance(labels, Routing):
     routing, labels = labels, None
-  given = [n for n, v in (("routing", routing), ("labels", labels), ("rules", rules)) if v is not None]
+  given = [n for n, v in (("routing", routing), ("labels", labels), ("rules", rules))
+           if v is not None]
   if len(given) > 1:
     raise ValueError(f"pass only one of routing=, labels= and rules=, got {given}.")
   if routing is not None:
@@ -264,20 +270,17 @@ def resolve_labels(labels: Labels, params: Any) -> Any:
 def check_leaf(path: str, leaf: Any, label: Any, views: ViewFn, known: Sequence[str]) -> None:
   """A ValueError naming `path` if the leaf cannot be updated as labelled."""
   if label not in known:
-    raise ValueError(
-        f"parameter {path!r} has label {label!r}, which has no transform; use one "
-        f"of {list(known)}.")
+    raise ValueError(f"parameter {path!r} has label {label!r}, which has no transform; use "
+                     f"one of {list(known)}.")
   if label != MUON:
     return
   shape, dtype = np.shape(leaf), jax.numpy.result_type(leaf)
   if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-    raise ValueError(
-        f"parameter {path!r} is labelled 'muon' but has dtype {dtype}; Muon needs real "
-        "floating weights. Label it 'adam' or 'frozen'.")
+    raise ValueError(f"parameter {path!r} is labelled 'muon' but has dtype {dtype}; Muon needs "
+                     "real floating weights. Label it 'adam' or 'frozen'.")
   if views(path, shape) is None:
-    raise ValueError(
-        f"parameter {path!r} of shape {shape} is labelled 'muon' but has no matrix view "
-        "(rank < 2). Label it 'adam', or pass views= to say how it is a matrix.")
+    raise ValueError(f"parameter {path!r} of shape {shape} is labelled 'muon' but has no matrix "
+                     "view (rank < 2). Label it 'adam', or pass views= to say how it is a matrix.")
 
 
 def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[str]) -> None:
@@ -286,7 +289,7 @@ def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[st
   _paths.map_with_path(lambda p, x, l: check_leaf(p, x, l, views, known), params, label_tree)
 
 
-def _rows(params: Any, routing: Routing, ns_steps: int) -> list[tuple[str, tuple[int, ...], str, str, int, str]]:
+def _rows(params: Any, routing: Routing, ns_steps: int) -> list[tuple]:
   """(path, shape, label, matrix view, Newton–Schulz flops, reason) of every leaf."""
   rows = []
   for path, leaf, decision in routing.decide(params):
@@ -342,7 +345,8 @@ def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = No
   lines = [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
   lines.append("")
   for label, (n, f) in sorted(totals.items()):
-    lines.append(f"{label}: {n:,} parameters" + (f", {f:,} Newton–Schulz flops per step" if f else ""))
-  if routing.by_name:
+    flops = f", {f:,} Newton–Schulz flops per step" if f else ""
+    lines.append(f"{label}: {n:,} parameters{flops}")
+  if routing.rules is not None:
     lines.append(NAME_RULES_CAVEAT)
   return "\n".join(lines)

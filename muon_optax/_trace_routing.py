@@ -12,7 +12,7 @@ import numpy as np
 from muon_optax import _paths
 from muon_optax._jaxpr_uses import Track, Use, Walker
 from muon_optax._matrix_view import MatrixView, ViewFn, default_view
-from muon_optax._routing import ADAM, MUON, Decision, Routing, Rule, check_rules
+from muon_optax._routing import ADAM, MUON, Decision, Routing, Rule, check_rules, first_match
 
 
 def _per_head(view: MatrixView) -> MatrixView:
@@ -41,7 +41,8 @@ def _decide(path: str, shape, uses: list[Use], head: bool, per_head: bool) -> De
   if "grouped_conv" in kinds:
     if matrix:
       raise fail("is used in incompatible ways")
-    return Decision(ADAM, None, next(u.detail for u in uses if u.kind == "grouped_conv") + " → adam")
+    grouped = next(u.detail for u in uses if u.kind == "grouped_conv")
+    return Decision(ADAM, None, f"{grouped} → adam")
   if embedding:
     tied = " (tied: also the output projection)" if matrix else ""
     how = "gather" if "gather" in kinds else "dynamic index"
@@ -61,18 +62,15 @@ def _decide(path: str, shape, uses: list[Use], head: bool, per_head: bool) -> De
 
 
 def _override(rules, path: str, leaf, shape, per_head: bool, inferred) -> Optional[Decision]:
-  for rule in rules:
-    if callable(rule):
-      label, why = rule(path, leaf), f"override {getattr(rule, '__name__', 'callable')}"
-    else:
-      label, why = (rule[1] if re.search(rule[0], path) else None), f"override {rule[0]!r}"
-    if label is not None:
-      view = None
-      if label == MUON:
-        view = inferred.view if inferred is not None and inferred.view is not None else (
-            default_view(path, tuple(shape), per_head=per_head))
-      return Decision(label, view, why)
-  return None
+  found = first_match(rules, path, leaf)
+  if found is None:
+    return None
+  label, why = found
+  view = None
+  if label == MUON:
+    view = inferred.view if inferred is not None and inferred.view is not None else (
+        default_view(path, tuple(shape), per_head=per_head))
+  return Decision(label, view, why.replace("rule", "override", 1))
 
 
 def _abstract(x):

@@ -243,7 +243,8 @@ def test_label_tree_may_be_a_prefix_of_params_as_in_optax_partition():
   labels = {"w1": "adam", "w2": "muon"}
   tx = mo.muon(0.1, labels=labels)
   u, _ = tx.update(params, tx.init(params), params)
-  ref = optax.partition({"adam": optax.adamw(3e-4, weight_decay=0.0), "muon": optax.set_to_zero()}, labels)
+  adamw = optax.adamw(3e-4, weight_decay=0.0)
+  ref = optax.partition({"adam": adamw, "muon": optax.set_to_zero()}, labels)
   ur, _ = ref.update(params, ref.init(params), params)
   np.testing.assert_allclose(u["w1"]["kernel"], ur["w1"]["kernel"])
   assert "given label" in mo.describe(params, labels)

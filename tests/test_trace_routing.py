@@ -135,6 +135,8 @@ def test_linen_mlp_classifier_head_is_found_where_names_cannot():
       "params/Dense_0/kernel": ("muon", V((), (0,), (1,))), "params/Dense_0/bias": ("adam", None),
       "params/Dense_1/kernel": ("muon", V((), (0,), (1,))), "params/Dense_1/bias": ("adam", None),
       "params/Dense_2/kernel": ("adam", None), "params/Dense_2/bias": ("adam", None)}
+  assert routing.labels(params["params"]) == {  # the Routing serves variables["params"] too
+      f"Dense_{i}": {"kernel": "adam" if i == 2 else "muon", "bias": "adam"} for i in range(3)}
   assert mo.label_params(params)["params"]["Dense_2"]["kernel"] == "muon"  # what names say
   assert "Dense_2" in mo.describe(params) and "infer_routing" in mo.describe(params)
   assert_muon_update_is_ns_of_each_view(routing, params)
@@ -366,12 +368,14 @@ def test_unused_leaf_names_the_path():
 def test_leaf_used_two_ways_names_the_path_and_uses():
   params = {"w": jnp.ones((4, 6)), "k": jnp.ones((3, 3, 4, 6))}
   f = lambda p, x: (x @ p["w"]) @ p["w"].T
-  with pytest.raises(ValueError, match=r"'w'.*incompatible.*dot_general as 4×6, dot_general as 6×4"):
+  two_ways = r"'w'.*incompatible.*dot_general as 4×6, dot_general as 6×4"
+  with pytest.raises(ValueError, match=two_ways):
     mo.infer_routing(f, {"w": params["w"]}, jnp.ones((2, 4)))
   conv = lambda p, img: jax.lax.conv_general_dilated(
       img, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
   g = lambda p, x, img: (x @ p["k"][0, 0]).sum() + conv(p, img).sum() + (x @ p["w"]).sum()
-  with pytest.raises(ValueError, match=r"'k'.*incompatible.*conv 3×3×4→6 → 36×6, dot_general as 9×\(4×6\)"):
+  two_ways = r"'k'.*incompatible.*conv 3×3×4→6 → 36×6, dot_general as 9×\(4×6\)"
+  with pytest.raises(ValueError, match=two_ways):
     mo.infer_routing(g, params, jnp.ones((2, 4)), jnp.ones((1, 5, 5, 4)))
 
 
