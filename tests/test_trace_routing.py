@@ -490,3 +490,22 @@ def test_a_row_looked_up_by_dynamic_index_is_an_embedding_even_when_multiplied()
   assert table(routing) == {"table": ("adam", None), "w": ("muon", V((), (0,), (1,))),
                             "head": ("adam", None)}
   assert routing.decisions["table"][1].reason == "dynamic index → embedding"
+
+
+def test_custom_jvp_and_custom_vjp_bodies_are_followed():
+  @jax.custom_vjp
+  def matmul(x, w):
+    return x @ w
+
+  matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+  @jax.custom_jvp
+  def tanh_matmul(x, w):
+    return jnp.tanh(x @ w)
+
+  tanh_matmul.defjvp(lambda p, t: (tanh_matmul(*p), t[0] @ p[1]))
+  params = {"a": jnp.ones((4, 8)), "b": jnp.ones((8, 8)), "head": jnp.ones((8, 2))}
+  f = lambda p, x: tanh_matmul(matmul(x, p["a"]), p["b"]) @ p["head"]
+  routing = mo.infer_routing(f, params, jnp.ones((2, 4)))
+  assert table(routing) == {"a": ("muon", V((), (0,), (1,))), "b": ("muon", V((), (0,), (1,))),
+                            "head": ("adam", None)}
