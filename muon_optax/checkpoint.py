@@ -237,8 +237,8 @@ class Checkpointer:
     async_save: write in a background thread; `save` returns once the arrays are
       copied off the devices. `wait()` blocks until the writes are committed.
     routing (or its shorthands labels, views, per_head): the routing given to `muon`
-      (None: the defaults), e.g. a `Routing` from `infer_routing`. It is recorded with each checkpoint and used to convert the AdamW
-      state between backends on restore.
+      (None: the defaults), e.g. from `infer_routing`. It is recorded with each
+      checkpoint and used to convert the AdamW state between backends on restore.
     data_axis: the data-parallel mesh axis along which state converted from another
       AdamW backend is laid out while it is read.
 
