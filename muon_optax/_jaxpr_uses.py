@@ -26,7 +26,7 @@ class Use(NamedTuple):
 
 _LAYOUT = {"convert_element_type", "copy", "copy_p", "reduce_precision", "sharding_constraint",
            "device_put", "optimization_barrier", "rev", "slice", "pvary", "pcast",
-           "all_gather"}
+           "all_gather", "reshard", "mesh_cast"}
 _SCALAR_OPS = {"mul", "div", "neg", "add", "sub"}  # w * 0.5 is still w for routing
 
 
