@@ -509,3 +509,26 @@ def test_custom_jvp_and_custom_vjp_bodies_are_followed():
   routing = mo.infer_routing(f, params, jnp.ones((2, 4)))
   assert table(routing) == {"a": ("muon", V((), (0,), (1,))), "b": ("muon", V((), (0,), (1,))),
                             "head": ("adam", None)}
+
+
+class LinenScanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    class Body(nn.Module):
+      @nn.compact
+      def __call__(self, c, _):
+        return nn.gelu(nn.Dense(16)(c)), None
+
+    scanned = nn.scan(Body, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+    x, _ = scanned(name="layers")(x, None)
+    return nn.Dense(3, name="Dense_0")(x)
+
+
+def test_linen_nn_scan_stack():
+  x = jnp.ones((2, 16))
+  params = LinenScanned().init(jax.random.key(0), x)["params"]
+  routing = mo.infer_routing(lambda p, x: LinenScanned().apply({"params": p}, x), params, x)
+  assert table(routing) == {"layers/Dense_0/kernel": ("muon", V((0,), (1,), (2,))),
+                            "layers/Dense_0/bias": ("adam", None),
+                            "Dense_0/kernel": ("adam", None), "Dense_0/bias": ("adam", None)}
+  assert_muon_update_is_ns_of_each_view(routing, params)
