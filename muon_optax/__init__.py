@@ -11,8 +11,9 @@ from muon_optax._newton_schulz import (
     PRESETS, gram_newton_schulz_flops, newton_schulz, newton_schulz_flops)
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
-from muon_optax._routing import (DEFAULT_RULES, default_rule, describe, label_params,
+from muon_optax._routing import (DEFAULT_RULES, Routing, default_rule, describe, label_params,
                                  newton_schulz_cost)
+from muon_optax._trace_routing import infer_routing
 from muon_optax._scaling import scale_by_shape
 from muon_optax._state_sharding import fsdp_shardings, state_shardings
 from muon_optax import checkpoint  # Orbax is imported on first use
@@ -38,6 +39,7 @@ __all__ = [
     "OffloadAdamState",
     "PRESETS",
     "ReferenceAdamState",
+    "Routing",
     "adamw",
     "convert_adam_state",
     "collective_stats",
@@ -47,6 +49,7 @@ __all__ = [
     "from_matrices",
     "fsdp_shardings",
     "gram_newton_schulz_flops",
+    "infer_routing",
     "label_params",
     "muon",
     "newton_schulz",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
 from muon_optax import _adamw, _offload, _paths, _routing, _validate
-from muon_optax._matrix_view import ViewFn, view_fn
+from muon_optax._matrix_view import ViewFn
 from muon_optax._momentum import scale_by_muon_momentum
 from muon_optax._newton_schulz import Schedule
 from muon_optax._orthogonalize import orthogonalize
@@ -123,6 +123,8 @@ def muon(
     gram: Optional[bool] = None,
     mesh: Optional[Mesh] = None,
     data_axis: str = "data",
+    routing: Optional[_routing.Routing] = None,
+    rules: Optional[Sequence[_routing.Rule]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden weight matrices, AdamW for everything else, routed by tree path.
 
@@ -144,9 +146,16 @@ def muon(
       `adamw`; `convert_adam_state` moves a state between them).
     offload_momentum: keep the Muon momentum in host memory between steps (see
       `offload_state`); Newton–Schulz still sees whole matrices on the device.
-    labels: None (default rules), a list of rules, a callable params -> labels, or
-      a pytree of "muon" / "adam" / "frozen" strings. `describe` shows the result.
-    views, per_head: how leaves are seen as matrices (see `default_view`).
+    routing: a `Routing` (labels, matrix views and reasons), e.g. from
+      `infer_routing(f, params, *args)`, which reads them from the computation.
+      `describe(params, routing=routing)` shows it.
+    labels: shorthand: a pytree of "muon" / "adam" / "frozen" strings (or a prefix
+      of the params tree, as `optax.partition` takes) or a callable params -> labels.
+    rules: shorthand: name rules, (regex, label) pairs or callables (path, leaf) ->
+      label | None, first match wins. None of routing / labels / rules: the default
+      name rules (`DEFAULT_RULES`), which cannot tell a head named like a hidden
+      layer (Dense_2, out) from one; `infer_routing` can.
+    views, per_head: shorthand: how leaves are seen as matrices (see `default_view`).
     compute_dtype: dtype of the Newton–Schulz matmul operands (float32 accumulation).
     gram: Gram-space Newton–Schulz on, off, or None to choose per matrix shape (on
       when the long side is ≥ 3× the short one; see `newton_schulz`).
@@ -180,7 +189,9 @@ def muon(
   _validate.weight_decay("weight_decay", weight_decay)
   if adam_learning_rate is not None:
     _validate.learning_rate("adam_learning_rate", adam_learning_rate)
-  views = view_fn(views, per_head)
+  routing = _routing.as_routing(routing=routing, labels=labels, rules=rules, views=views,
+                                per_head=per_head)
+  views = routing.view
   muon_branch = optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns=ns, ns_steps=ns_steps, scale=scale,
                     mu_dtype=mu_dtype, views=views, compute_dtype=compute_dtype,
@@ -207,7 +218,7 @@ def muon(
   }
 
   def param_labels(params):
-    label_tree = _routing.resolve_labels(labels, params)
+    label_tree = routing.labels(params)
     _routing.check_labels(label_tree, params, views, tuple(transforms))
     return label_tree
 

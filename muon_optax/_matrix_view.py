@@ -18,10 +18,22 @@ class MatrixView(NamedTuple):
   fan_in: tuple[int, ...]
   fan_out: tuple[int, ...]
 
+  def normalize(self, rank: int) -> "MatrixView":
+    """The same view with every axis in [0, rank); a ValueError unless the axes
+    are a permutation of the leaf's axes."""
+    fix = lambda axes: tuple(int(a) % rank if -rank <= a < rank else a for a in axes)
+    view = MatrixView(fix(self.batch), fix(self.fan_in), fix(self.fan_out))
+    if sorted(view.batch + view.fan_in + view.fan_out) != list(range(rank)):
+      raise ValueError(
+          f"matrix view {self} must name every axis of a rank-{rank} leaf exactly once "
+          "(batch, fan_in and fan_out; negative axes count from the end).")
+    return view
+
   def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int, int]:
     """(number of matrices, fan_in, fan_out) for a leaf of logical `shape`."""
+    view = self.normalize(len(shape))
     size = lambda axes: math.prod(shape[a] for a in axes)
-    return size(self.batch), size(self.fan_in), size(self.fan_out)
+    return size(view.batch), size(view.fan_in), size(view.fan_out)
 
   def describe(self, shape: Sequence[int]) -> str:
     count, fan_in, fan_out = self.matrix_shape(shape)
@@ -41,7 +53,8 @@ def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -
   """Matrix view of a leaf from its '/'-joined path and logical shape, or None.
 
   - rank 2: (fan_in, fan_out), the Flax Dense/Linear layout;
-  - a path containing "conv": (..., in, out) with fan_in = prod of all but the last axis;
+  - a path containing "conv", and any rank-4 leaf (a 2-D conv kernel (kh, kw, in, out)
+    whatever its name): fan_in = prod of all but the last axis;
   - attention q/k/v kernels (..., d_model, heads, head_dim) and out kernels
     (..., heads, head_dim, d_model): whole projection, or one matrix per head;
   - anything else of rank > 2: leading axes are stacked layers or experts (batch),
@@ -62,7 +75,7 @@ def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -
     if per_head:
       return MatrixView(b + (rank - 3,), (rank - 2,), (rank - 1,))
     return MatrixView(b, (rank - 3, rank - 2), (rank - 1,))
-  if rank >= 3 and _CONV.search(path):
+  if rank == 4 or (rank >= 3 and _CONV.search(path)):
     return MatrixView((), tuple(range(rank - 1)), (rank - 1,))
   return MatrixView(lead(2), (rank - 2,), (rank - 1,))
 
@@ -74,12 +87,14 @@ def view_fn(views: Optional[ViewFn], per_head: bool) -> ViewFn:
 
 def to_matrices(x: jax.Array, view: MatrixView) -> jax.Array:
   """Leaf -> (count, fan_in, fan_out)."""
+  view = view.normalize(x.ndim)
   order = view.batch + view.fan_in + view.fan_out
   return jnp.transpose(x, order).reshape(view.matrix_shape(x.shape))
 
 
 def from_matrices(m: jax.Array, view: MatrixView, shape: tuple[int, ...]) -> jax.Array:
   """(count, fan_in, fan_out) -> leaf of `shape`; the inverse of `to_matrices`."""
+  view = view.normalize(len(shape))
   order = view.batch + view.fan_in + view.fan_out
   permuted = m.reshape(tuple(shape[a] for a in order))
   inverse = sorted(range(len(order)), key=order.__getitem__)

@@ -55,6 +55,8 @@ def coefficient_schedule(ns: Schedule, steps: int) -> tuple[np.ndarray, float]:
   else:
     try:
       table = np.asarray(ns, dtype=np.float64)
+    except jax.errors.TracerArrayConversionError:  # an array traced by optax.inject_hyperparams
+      table = jnp.asarray(ns)
     except (TypeError, ValueError) as e:
       raise ValueError(f"ns must be a preset name or an (n, 3) array: {e}") from None
     if table.ndim == 1 and table.shape == (3,):
@@ -64,7 +66,7 @@ def coefficient_schedule(ns: Schedule, steps: int) -> tuple[np.ndarray, float]:
           f"a Newton–Schulz schedule must have shape (n, 3) with n >= 1, got "
           f"{table.shape}; each row is the (a, b, c) of a X + b (X Xᵀ) X + c (X Xᵀ)² X."
       )
-    if not np.all(np.isfinite(table)):
+    if isinstance(table, np.ndarray) and not np.all(np.isfinite(table)):
       raise ValueError("a Newton–Schulz schedule must hold finite coefficients only.")
     safety = 1.0
   rows = np.minimum(np.arange(steps), len(table) - 1)

@@ -1,17 +1,16 @@
-"""Routing: which leaves Muon updates, which go to AdamW, and the table that shows it."""
+"""Routing: which leaves Muon updates, which go to AdamW, how each is a matrix, and why."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from muon_optax import _paths
-from muon_optax._matrix_view import ViewFn, view_fn
+from muon_optax._matrix_view import MatrixView, ViewFn, view_fn
 from muon_optax._newton_schulz import newton_schulz_flops
 
 MUON, ADAM, FROZEN = "muon", "adam", "frozen"
@@ -20,50 +19,89 @@ LABELS = (MUON, ADAM, FROZEN)
 # A rule is a (regex, label) pair matched with re.search on the '/'-joined path, or a
 # callable (path, leaf) -> label | None. The first rule that gives a label wins.
 Rule = Union[tuple[str, str], Callable[[str, Any], Optional[str]]]
-Labels = Union[None, Sequence[Rule], Callable[[Any], Any], Any]
+Labels = Any  # None, a label pytree (or a prefix of one), a callable params -> labels, a Routing
 
+# Name rules match whole path components, and only the leaf's own name or its module's
+# name: `time_embed/dense_1/kernel` is a hidden Dense inside an embedding block.
 _BIAS = re.compile(r"(?:^|/)(bias|b)$", re.I)
-_NORM = re.compile(r"norm|(?:^|/)ln(?:_?\w+)?/|(?:^|/)scale$", re.I)
-_EMBED = re.compile(r"emb|(?:^|/)(wte|wpe|tok|pos)(?:_\w+)?(?:/|$)", re.I)
+_NORM = re.compile(
+    r"(?:^|/)((?:\w*_)?(?:layer|rms|batch|group|instance)?norm(?:_?\d+|_f|_\w{1,3})?"
+    r"|ln(?:_?\d+|_[a-z]\d*)?|bn\d*)(?:/[^/]+)?$|(?:^|/)scale$", re.I)
+_EMBED = re.compile(
+    r"(?:^|/)(embed|embeds|embedding|embeddings|embed_\d+|wte|wpe|embed_tokens|embed_positions"
+    r"|(?:tok|token|pos|position|word|patch)_?embed(?:ding)?s?)(?:/[^/]+)?$", re.I)
 _HEAD = re.compile(
     r"(?:^|/)(lm_head|head|out_head|output_head|unembed\w*|classifier|logits|readout)(?:/|$)", re.I)
 _WEIGHT = re.compile(r"(?:^|/)(kernel|weights?|w\w*)$", re.I)
+NAME_RULES_CAVEAT = (
+    "Name rules cannot tell an output head named like a hidden layer (Dense_2, out) from a "
+    "hidden layer; muon_optax.infer_routing reads it from the computation.")
+
+
+def rule_reason(path: str, leaf: Any) -> tuple[Optional[str], str]:
+  """The default name rule's (label, reason) for one leaf; label None if no rule fits."""
+  if np.ndim(leaf) < 2:
+    return ADAM, "rank < 2"
+  for pattern, why in ((_BIAS, "bias"), (_NORM, "norm"), (_EMBED, "embedding"), (_HEAD, "head")):
+    if pattern.search(path):
+      return ADAM, f"name → {why}"
+  if _WEIGHT.search(path):
+    return MUON, "name → weight"
+  return None, "no rule"
 
 
 def default_rule(path: str, leaf: Any) -> Optional[str]:
-  """The default routing: hidden weight matrices to Muon, everything else to AdamW.
-
-  Scalars and 1-D leaves, biases (2-D ones too), norm parameters, token/position
-  embeddings and the output head (lm_head, head, classifier, unembed, ...) go to
-  "adam"; a leaf of rank ≥ 2 named kernel / weight / w* goes to "muon". Anything
-  else is left unplaced, so that a surprise is an error rather than a guess.
-  """
-  if np.ndim(leaf) < 2 or _BIAS.search(path) or _NORM.search(path):
-    return ADAM
-  if _EMBED.search(path) or _HEAD.search(path):
-    return ADAM
-  if _WEIGHT.search(path):
-    return MUON
-  return None
+  """The default routing by name: rank < 2, biases, norms (scale, norm, ln_f, LayerNorm_0,
+  ...), embeddings (embedding, wte, tok_embeddings, ...) and heads (lm_head, head,
+  classifier, unembed, ...) → "adam"; kernel / weight / w* of rank ≥ 2 → "muon"; else
+  None, so that a surprise is an error. Whole path components of the leaf or its module
+  are matched. A head named like a hidden layer (Dense_2, out) goes to Muon: use
+  `infer_routing`, which sees it."""
+  return rule_reason(path, leaf)[0]
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (default_rule,)
 
 
-def _apply_rules(rules: Sequence[Rule], path: str, leaf: Any) -> str:
+def check_rules(rules: Sequence[Rule]) -> tuple[Rule, ...]:
+  """The rules as a tuple; a ValueError naming a malformed rule or a bad regex."""
+  if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+    raise ValueError(f"rules must be a list of (regex, label) pairs or callables, got {rules!r}.")
   for rule in rules:
     if callable(rule):
-      label = rule(path, leaf)
+      continue
+    if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ValueError(f"routing rule {rule!r} must be a (regex, label) pair or a callable "
+                       "(path, leaf) -> label | None.")
+    try:
+      re.compile(rule[0])
+    except re.error as e:
+      raise ValueError(f"routing rule {rule!r} has a bad regex: {e}.") from None
+  return tuple(rules)
+
+
+def first_match(rules: Sequence[Rule], path: str, leaf: Any) -> Optional[tuple[str, str]]:
+  """(label, reason) from the first rule that places the leaf, or None."""
+  for rule in rules:
+    if rule is default_rule:
+      label, why = rule_reason(path, leaf)
+    elif callable(rule):
+      label, why = rule(path, leaf), f"rule {getattr(rule, '__name__', 'callable')}"
     else:
-      pattern, label = rule
-      label = label if re.search(pattern, path) else None
+      label, why = (rule[1] if re.search(rule[0], path) else None), f"rule {rule[0]!r}"
     if label is not None:
-      return label
+      return label, why
+  return None
+
+
+def _apply_rules(rules: Sequence[Rule], path: str, leaf: Any) -> tuple[str, str]:
+  found = first_match(rules, path, leaf)
+  if found is not None:
+    return found
   raise ValueError(
       f"no routing rule places parameter {path!r} (shape {np.shape(leaf)}). Add a rule "
-      "such as (r'<regex>', 'muon' | 'adam' | 'frozen'), or end your rules with "
-      "*muon_optax.DEFAULT_RULES."
-  )
+      "such as (r'<regex>', 'muon' | 'adam' | 'frozen'), end your rules with "
+      "*muon_optax.DEFAULT_RULES, or use muon_optax.infer_routing.")
 
 
 def label_params(params: Any, rules: Optional[Sequence[Rule]] = None) -> Any:
@@ -82,70 +120,193 @@ def label_params(params: Any, rules: Optional[Sequence[Rule]] = None) -> Any:
     >>> mo.label_params({"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.ones(8)}})
     {'mlp': {'bias': 'adam', 'kernel': 'muon'}}
   """
-  rules = DEFAULT_RULES if rules is None else tuple(rules)
-  return _paths.map_with_path(lambda p, x: _apply_rules(rules, p, x), params)
+  rules = DEFAULT_RULES if rules is None else check_rules(rules)
+  return _paths.map_with_path(lambda p, x: _apply_rules(rules, p, x)[0], params)
+
+
+def expand_labels(label_tree: Any, params: Any) -> Any:
+  """A label tree that is `params`' structure or a prefix of it (as `optax.partition`
+  takes), spread to one label per leaf."""
+  def spread(label, subtree):
+    return jax.tree.map(lambda _: label, subtree, is_leaf=_paths.is_masked)
+
+  try:
+    return jax.tree.map(spread, label_tree, params)
+  except (ValueError, TypeError) as e:
+    hint = ""
+    if isinstance(label_tree, (list, tuple)) and any(
+        callable(r) or (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)
+                        and r[1] in LABELS and r[0] not in LABELS) for r in label_tree):
+      hint = (" It looks like routing rules: pass them as rules=[...] or "
+              "routing=muon_optax.Routing.from_rules([...]).")
+    raise ValueError("the label tree does not match the params tree (it must have the params' "
+                     f"structure or a prefix of it, as in optax.partition): {e}.{hint}") from None
+
+
+class Decision(NamedTuple):
+  """How one leaf is updated: its label, its matrix view (Muon leaves) and why."""
+  label: str
+  view: Optional[MatrixView]
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Routing:
+  """Labels, matrix views and a reason per leaf: one value for `muon`, `describe`,
+  `Checkpointer` and `convert_adam_state`.
+
+  Build it with `infer_routing` (from the computation), `Routing.from_rules` (by
+  name) or `Routing.from_labels` (a label pytree or a callable params -> labels).
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> params = {"w": jnp.ones((4, 8)), "out": jnp.ones((8, 2))}
+    >>> routing = mo.infer_routing(lambda p, x: (x @ p["w"]) @ p["out"], params, jnp.ones((3, 4)))
+    >>> routing.labels(params)
+    {'out': 'adam', 'w': 'muon'}
+    >>> tx = mo.muon(0.02, routing=routing)
+  """
+  decisions: Optional[Mapping[str, tuple[tuple[int, ...], Decision]]] = None
+  rules: Optional[tuple[Rule, ...]] = None
+  label_source: Any = None  # a label tree or a callable params -> labels
+  views: Optional[ViewFn] = None
+  per_head: bool = False
+
+  @classmethod
+  def from_rules(cls, rules: Optional[Sequence[Rule]] = None, *, views: Optional[ViewFn] = None,
+                 per_head: bool = False) -> "Routing":
+    """Name rules ((regex, label) pairs or callables, first match wins; None: `DEFAULT_RULES`)."""
+    return cls(rules=DEFAULT_RULES if rules is None else check_rules(rules), views=views,
+               per_head=per_head)
+
+  @classmethod
+  def from_labels(cls, labels: Any, *, views: Optional[ViewFn] = None,
+                  per_head: bool = False) -> "Routing":
+    """A label pytree (or a prefix of one), or a callable params -> label pytree."""
+    return cls(label_source=labels, views=views, per_head=per_head)
+
+  def _find(self, path: str, shape: tuple[int, ...]) -> Optional[Decision]:
+    """The decision for `path`, or for the one inferred path that ends with it (a
+    Routing inferred from Linen `variables` serves `variables["params"]` too)."""
+    found = self.decisions.get(path)
+    if found is None:
+      matches = [v for k, v in self.decisions.items() if k.endswith("/" + path)]
+      found = matches[0] if len(matches) == 1 else None
+    return found[1] if found is not None and found[0] == shape else None
+
+  def _decision(self, path: str, leaf: Any) -> Decision:
+    shape = tuple(np.shape(leaf))
+    decision = self._find(path, shape)
+    if decision is None:
+      raise ValueError(
+          f"parameter {path!r} of shape {shape} is not in this Routing (inferred for "
+          f"{list(self.decisions)[:3]}, ...); infer it again from these params.")
+    return decision
+
+  def _given(self, params: Any) -> Any:
+    source = self.label_source
+    return expand_labels(source(params) if callable(source) else source, params)
+
+  def decide(self, params: Any) -> list[tuple[str, Any, Decision]]:
+    """(path, leaf, Decision) of every leaf of `params`, in tree order."""
+    pairs = _paths.leaves_with_path(params)
+    if self.decisions is not None:
+      return [(p, x, self._decision(p, x)) for p, x in pairs]
+    if self.rules is not None:
+      found = [_apply_rules(self.rules, p, x) for p, x in pairs]
+    else:
+      found = [(l, "given label") for _, l in _paths.leaves_with_path(self._given(params))]
+    views = view_fn(self.views, self.per_head)
+    return [(p, x, Decision(l, views(p, tuple(np.shape(x))) if l == MUON else None, why))
+            for (p, x), (l, why) in zip(pairs, found)]
+
+  def labels(self, params: Any) -> Any:
+    """The label pytree of `params` ("muon", "adam" or "frozen" per leaf)."""
+    if self.decisions is not None:
+      return _paths.map_with_path(lambda p, x: self._decision(p, x).label, params)
+    if self.rules is not None:
+      return _paths.map_with_path(lambda p, x: _apply_rules(self.rules, p, x)[0], params)
+    return self._given(params)
+
+  def view(self, path: str, shape: tuple[int, ...]) -> Optional[MatrixView]:
+    """The matrix view of the leaf at `path` with logical `shape` (a `ViewFn`)."""
+    decision = None if self.decisions is None else self._find(path, tuple(shape))
+    if decision is not None and decision.view is not None:
+      return decision.view
+    return view_fn(self.views, self.per_head)(path, tuple(shape))
+
+  def __str__(self) -> str:
+    if self.decisions is None:
+      return repr(self)
+    shapes = {p: jax.ShapeDtypeStruct(s, np.float32) for p, (s, _) in self.decisions.items()}
+    return describe(shapes, routing=self)
+
+
+def as_routing(*, routing: Optional[Routing] = None, labels: Labels = None,
+               rules: Optional[Sequence[Rule]] = None, views: Optional[ViewFn] = None,
+               per_head: bool = False) -> Routing:
+  """The one Routing meant by the `routing=` / `labels=` / `rules=` / `views=` shorthands."""
+  if isinstance(labels, Routing):
+    routing, labels = labels, None
+  given = [n for n, v in (("routing", routing), ("labels", labels), ("rules", rules))
+           if v is not None]
+  if len(given) > 1:
+    raise ValueError(f"pass only one of routing=, labels= and rules=, got {given}.")
+  if routing is not None:
+    if views is not None or per_head:
+      raise ValueError("views= and per_head= are part of a Routing; pass them when building it.")
+    return routing
+  if labels is not None:
+    return Routing.from_labels(labels, views=views, per_head=per_head)
+  return Routing.from_rules(rules, views=views, per_head=per_head)
 
 
 def resolve_labels(labels: Labels, params: Any) -> Any:
-  """The label pytree for `params` from None, rules, a callable or a label pytree."""
-  if labels is None:
-    return label_params(params)
-  if callable(labels):
-    return labels(params)
-  if isinstance(labels, (list, tuple)) and labels and (
-      callable(labels[0]) or (isinstance(labels[0], tuple) and len(labels[0]) == 2
-                              and isinstance(labels[0][0], str))):
-    return label_params(params, labels)
-  return labels
+  """The full label pytree for `params` from None (default rules), a Routing, a callable
+  or a label pytree (or prefix). Rules go through `rules=` or `Routing.from_rules`."""
+  return as_routing(labels=labels).labels(params)
+
+
+def check_leaf(path: str, leaf: Any, label: Any, views: ViewFn, known: Sequence[str]) -> None:
+  """A ValueError naming `path` if the leaf cannot be updated as labelled."""
+  if label not in known:
+    raise ValueError(f"parameter {path!r} has label {label!r}, which has no transform; use "
+                     f"one of {list(known)}.")
+  if label != MUON:
+    return
+  shape, dtype = np.shape(leaf), jax.numpy.result_type(leaf)
+  if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+    raise ValueError(f"parameter {path!r} is labelled 'muon' but has dtype {dtype}; Muon needs "
+                     "real floating weights. Label it 'adam' or 'frozen'.")
+  if views(path, shape) is None:
+    raise ValueError(f"parameter {path!r} of shape {shape} is labelled 'muon' but has no matrix "
+                     "view (rank < 2). Label it 'adam', or pass views= to say how it is a matrix.")
 
 
 def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[str]) -> None:
   """Raises a ValueError naming the path of the first leaf that cannot be updated as labelled."""
-  def check(path: str, leaf: Any, label: Any) -> None:
-    if label not in known:
-      raise ValueError(
-          f"parameter {path!r} has label {label!r}, which has no transform; use one "
-          f"of {list(known)}.")
-    if label != MUON:
-      return
-    shape, dtype = np.shape(leaf), jnp.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(
-          f"parameter {path!r} is labelled 'muon' but has dtype {dtype}; Muon needs real "
-          "floating weights. Label it 'adam' or 'frozen'.")
-    if views(path, shape) is None:
-      raise ValueError(
-          f"parameter {path!r} of shape {shape} is labelled 'muon' but has no matrix view "
-          "(rank < 2). Label it 'adam', or pass views= to say how it is a matrix.")
-
-  try:
-    jax.tree.map(lambda l, x: None, label_tree, params, is_leaf=_paths.is_masked)
-  except ValueError as e:
-    raise ValueError(f"the label tree does not match the params tree: {e}") from None
-  _paths.map_with_path(lambda p, x, l: check(p, x, l), params, label_tree)
+  label_tree = expand_labels(label_tree, params)
+  _paths.map_with_path(lambda p, x, l: check_leaf(p, x, l, views, known), params, label_tree)
 
 
-def _rows(params: Any, labels: Labels, views: Optional[ViewFn], per_head: bool,
-          ns_steps: int) -> list[tuple[str, tuple[int, ...], str, str, int]]:
-  """(path, shape, label, matrix view, Newton–Schulz flops) of every leaf."""
-  views = view_fn(views, per_head)
-  label_tree = resolve_labels(labels, params)
-  check_labels(label_tree, params, views, LABELS)
+def _rows(params: Any, routing: Routing, ns_steps: int) -> list[tuple]:
+  """(path, shape, label, matrix view, Newton–Schulz flops, reason) of every leaf."""
   rows = []
-  for (path, leaf), (_, label) in zip(_paths.leaves_with_path(params),
-                                       _paths.leaves_with_path(label_tree)):
+  for path, leaf, decision in routing.decide(params):
+    check_leaf(path, leaf, decision.label, routing.view, LABELS)
     shape = tuple(np.shape(leaf))
     view, flops = "", 0
-    if label == MUON:
-      v = views(path, shape)
+    if decision.label == MUON:
+      v = routing.view(path, shape)
       count, fan_in, fan_out = v.matrix_shape(shape)
       view, flops = v.describe(shape), count * newton_schulz_flops(fan_in, fan_out, ns_steps)
-    rows.append((path, shape, label, view, flops))
+    rows.append((path, shape, decision.label, view, flops, decision.reason))
   return rows
 
 
 def newton_schulz_cost(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
-                       per_head: bool = False, ns_steps: int = 5) -> int:
+                       per_head: bool = False, ns_steps: int = 5, routing: Optional[Routing] = None,
+                       rules: Optional[Sequence[Rule]] = None) -> int:
   """Newton–Schulz flops of one Muon update of `params` (the total `describe` prints).
 
   Example:
@@ -153,27 +314,39 @@ def newton_schulz_cost(params: Any, labels: Labels = None, *, views: Optional[Vi
     >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}) == mo.newton_schulz_flops(4, 8, 5)
     True
   """
-  return sum(row[-1] for row in _rows(params, labels, views, per_head, ns_steps))
+  routing = as_routing(routing=routing, labels=labels, rules=rules, views=views, per_head=per_head)
+  return sum(row[4] for row in _rows(params, routing, ns_steps))
 
 
 def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
-             per_head: bool = False, ns_steps: int = 5) -> str:
-  """The routing table: path, shape, label, matrix view and Newton–Schulz flops per leaf.
+             per_head: bool = False, ns_steps: int = 5, routing: Optional[Routing] = None,
+             rules: Optional[Sequence[Rule]] = None) -> str:
+  """The routing table: path, shape, label, matrix view, Newton–Schulz flops and why, per leaf.
+
+  Args:
+    params: the params pytree (arrays or `jax.ShapeDtypeStruct`s).
+    labels, rules, views, per_head, routing: the routing, as given to `muon`.
+    ns_steps: Newton–Schulz iterations counted in the flops column.
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> print(mo.describe({"w": jnp.ones((4, 8)), "b": jnp.ones(8)}))  # doctest: +SKIP
   """
+  routing = as_routing(routing=routing, labels=labels, rules=rules, views=views, per_head=per_head)
   rows, totals = [], {}
-  for path, shape, label, view, flops in _rows(params, labels, views, per_head, ns_steps):
+  for path, shape, label, view, flops, why in _rows(params, routing, ns_steps):
     n, f = totals.get(label, (0, 0))
     totals[label] = (n + int(np.prod(shape)), f + flops)
-    rows.append((path, "×".join(map(str, shape)) or "()", label, view, f"{flops:,}" if flops else ""))
-  header = ("path", "shape", "label", "matrix view", f"NS flops ({ns_steps} steps)")
-  widths = [max(len(r[i]) for r in rows + [header]) for i in range(5)]
+    rows.append((path, "×".join(map(str, shape)) or "()", label, view,
+                 f"{flops:,}" if flops else "", why))
+  header = ("path", "shape", "label", "matrix view", f"NS flops ({ns_steps} steps)", "why")
+  widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
   lines = [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
   lines.append("")
   for label, (n, f) in sorted(totals.items()):
-    lines.append(f"{label}: {n:,} parameters" + (f", {f:,} Newton–Schulz flops per step" if f else ""))
+    flops = f", {f:,} Newton–Schulz flops per step" if f else ""
+    lines.append(f"{label}: {n:,} parameters{flops}")
+  if routing.rules is not None:
+    lines.append(NAME_RULES_CAVEAT)
   return "\n".join(lines)

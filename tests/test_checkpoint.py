@@ -206,7 +206,7 @@ def test_adam_backend_change_restores(tmp_path, backend):
   assert kinds == {"pinned_host" if backend == "offload" else "device"}
 
 
-MLP_OUT_TO_ADAM = [("mlp_out", "adam"), *mo.DEFAULT_RULES]
+MLP_OUT_TO_ADAM = mo.Routing.from_rules([("mlp_out", "adam"), *mo.DEFAULT_RULES])
 
 
 def mismatch_cases():

@@ -235,11 +235,11 @@ def test_weight_decay_mask_pytree_and_frozen_label():
   mask = jax.tree.map(lambda _: False, params)
   mask["proj"]["kernel"] = True
   labels = [(r"^blocks/", "frozen"), *mo.DEFAULT_RULES]
-  tx = mo.muon(0.0, weight_decay=0.5, weight_decay_mask=mask, labels=labels)
+  tx = mo.muon(0.0, weight_decay=0.5, weight_decay_mask=mask, rules=labels)
   u, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   assert float(jnp.abs(u["blocks"]["mlp"]["kernel"]).max()) == 0
   assert float(jnp.abs(u["proj"]["kernel"]).max()) == 0  # lr 0 scales the decay too
-  tx = mo.muon(1.0, weight_decay=0.5, weight_decay_mask=mask, labels=labels)
+  tx = mo.muon(1.0, weight_decay=0.5, weight_decay_mask=mask, rules=labels)
   u, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   np.testing.assert_allclose(u["proj"]["kernel"], -0.5 * params["proj"]["kernel"], atol=1e-7)
   assert float(jnp.abs(u["blocks"]["mlp"]["kernel"]).max()) == 0
@@ -282,11 +282,11 @@ def test_bad_options_fail_at_construction(kwargs, match):
 def test_bad_labels_name_the_path():
   params = make_params()
   with pytest.raises(ValueError, match="'ln/scale'.*no matrix view"):
-    mo.muon(labels=[(r"ln/scale", "muon"), *mo.DEFAULT_RULES]).init(params)
+    mo.muon(rules=[(r"ln/scale", "muon"), *mo.DEFAULT_RULES]).init(params)
   with pytest.raises(ValueError, match="'proj/kernel'.*label 'sgd'.*no transform"):
-    mo.muon(labels=[(r"proj", "sgd"), *mo.DEFAULT_RULES]).init(params)
+    mo.muon(rules=[(r"proj", "sgd"), *mo.DEFAULT_RULES]).init(params)
   with pytest.raises(ValueError, match="no routing rule places parameter 'blocks/mlp/bias'"):
-    mo.muon(labels=[(r"kernel", "muon"), (r"embed", "adam")]).init(params)
+    mo.muon(rules=[(r"kernel", "muon"), (r"embed", "adam")]).init(params)
   int_params = {"count": {"kernel": jnp.zeros((4, 4), jnp.int32)}}
   with pytest.raises(ValueError, match="'count/kernel'.*int32"):
     mo.muon().init(int_params)

@@ -157,7 +157,7 @@ def test_moe_expert_stack_routing_and_views():
   rules = [(r"router", "adam"), *mo.DEFAULT_RULES]
   assert labels_by_path(params, rules=rules) == {
       "moe/router/kernel": "adam", "moe/experts/w_in": "muon", "moe/experts/w_out": "muon"}
-  table = mo.describe(params, rules)
+  table = mo.describe(params, rules=rules)
   assert "4×(16×64)" in table and "4×(64×16)" in table
 
 
@@ -196,3 +196,110 @@ def test_describe_lists_every_leaf_and_totals():
 def test_attention_out_kernel_is_recognized_wherever_the_module_sits():
   view = mo.default_view("encoder/sa/out/kernel", (2, 8, 16))
   assert view.matrix_shape((2, 8, 16)) == (1, 16, 16)
+
+
+# --- anchored name rules ------------------------------------------------------------
+
+@pytest.mark.parametrize("path, label", [
+    ("embed/embedding", "adam"), ("wte/embedding", "adam"), ("tok_embeddings/weight", "adam"),
+    ("Embed_0/embedding", "adam"), ("model/embed_tokens/weight", "adam"),
+    ("ensemble/layers_0/kernel", "muon"), ("member_mlp/kernel", "muon"),
+    ("tok_mixing/Dense_0/kernel", "muon"), ("time_embed/dense_1/kernel", "muon"),
+    ("normalizing_flow/coupling_0/kernel", "muon"),
+    ("norm/weight", "adam"), ("ln_f/weight", "adam"), ("layernorm/weight", "adam"),
+    ("rmsnorm/weight", "adam"), ("LayerNorm_0/scale", "adam"), ("BatchNorm_0/kernel", "adam"),
+    ("blocks/0/post_attention_layernorm/weight", "adam"), ("lnx/kernel", "muon"),
+])
+def test_name_rules_match_whole_path_components(path, label):
+  assert mo.default_rule(path, jnp.zeros((4, 4))) == label
+
+
+def test_name_rules_see_any_rank_4_leaf_as_a_conv_kernel():
+  view = mo.default_view("layers/0/kernel", (3, 3, 8, 16))
+  assert view == mo.MatrixView((), (0, 1, 2), (3,))
+  assert "72×16" in mo.describe({"layers": {"0": {"kernel": jnp.zeros((3, 3, 8, 16))}}})
+
+
+def test_describe_under_name_rules_says_what_they_cannot_see():
+  text = mo.describe({"Dense_2": {"kernel": jnp.zeros((4, 4))}})
+  assert "name → weight" in text and "cannot tell" in text and "infer_routing" in text
+
+
+# --- optimizer-contract regressions -----------------------------------------------
+
+def test_label_tree_of_tuples_is_a_label_tree_not_rules():
+  params = [(jnp.ones((4, 3)), jnp.ones(3)), (jnp.ones((3, 2)), jnp.ones(2))]
+  tx = mo.muon(1.0, labels=[("muon", "adam"), ("adam", "adam")])
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
+  u, _ = tx.update(grads, tx.init(params), params)
+  adam = optax.adamw(3e-4, weight_decay=0.0)
+  ua, _ = adam.update(grads, adam.init(params), params)
+  np.testing.assert_allclose(u[1][0], ua[1][0])
+  assert not np.allclose(u[0][0], ua[0][0])  # the Muon leaf
+
+
+def test_label_tree_may_be_a_prefix_of_params_as_in_optax_partition():
+  params = {"w1": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}, "w2": jnp.ones((4, 4))}
+  labels = {"w1": "adam", "w2": "muon"}
+  tx = mo.muon(0.1, labels=labels)
+  u, _ = tx.update(params, tx.init(params), params)
+  adamw = optax.adamw(3e-4, weight_decay=0.0)
+  ref = optax.partition({"adam": adamw, "muon": optax.set_to_zero()}, labels)
+  ur, _ = ref.update(params, ref.init(params), params)
+  np.testing.assert_allclose(u["w1"]["kernel"], ur["w1"]["kernel"])
+  assert "given label" in mo.describe(params, labels)
+
+
+def test_tree_map_params_works_on_a_single_label():
+  params = {"w": jnp.ones((4, 4)), "v": jnp.ones((4, 2))}
+  tx = mo.muon(labels="muon")
+  state = tx.init(params)
+  mapped = optax.tree.map_params(tx, lambda v: v + 1, state)
+  assert jax.tree.structure(mapped) == jax.tree.structure(state)
+
+
+def test_rules_go_through_rules_or_routing_never_labels():
+  params = {"mlp": {"kernel": jnp.zeros((4, 4))}}
+  rules = [("mlp", "adam"), *mo.DEFAULT_RULES]
+  with pytest.raises(ValueError, match="looks like routing rules: pass them as rules="):
+    mo.muon(labels=rules).init(params)
+  assert mo.Routing.from_rules(rules).labels(params) == {"mlp": {"kernel": "adam"}}
+  mo.muon(rules=rules).init(params)
+  with pytest.raises(ValueError, match="only one of"):
+    mo.muon(rules=rules, labels={"mlp": "adam"})
+
+
+def test_a_bad_regex_names_the_rule():
+  with pytest.raises(ValueError, match=r"routing rule \('\[', 'adam'\) has a bad regex"):
+    mo.muon(rules=[("[", "adam")])
+  with pytest.raises(ValueError, match=r"routing rule 'adam' must be"):
+    mo.label_params({"w": jnp.zeros((2, 2))}, rules=["adam"])
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4), (3, 3, 3)])
+def test_negative_view_axes(shape):
+  x = jax.random.normal(jax.random.key(0), shape)
+  negative = mo.MatrixView((-3,), (-1,), (-2,))
+  positive = mo.MatrixView((0,), (2,), (1,))
+  m = mo.to_matrices(x, negative)
+  np.testing.assert_array_equal(m, np.transpose(np.asarray(x), (0, 2, 1)))
+  np.testing.assert_array_equal(mo.from_matrices(m, negative, shape), x)
+  a, _ = mo.orthogonalize(views=lambda p, s: negative).update({"w": x}, optax.EmptyState())
+  b, _ = mo.orthogonalize(views=lambda p, s: positive).update({"w": x}, optax.EmptyState())
+  np.testing.assert_array_equal(a["w"], b["w"])
+  with pytest.raises(ValueError, match="exactly once"):
+    mo.MatrixView((0,), (-1,), (2,)).matrix_shape(shape)
+
+
+def test_ns_array_under_inject_hyperparams():
+  params = {"w": {"kernel": jax.random.normal(jax.random.key(0), (4, 8))}}
+  ns = np.tile(np.asarray(mo.PRESETS["jordan"][0][0]), (5, 1))
+  tx = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(learning_rate=0.02, ns=ns)
+  u, _ = jax.jit(tx.update)(params, tx.init(params), params)
+  ref = mo.muon(0.02)
+  ur, _ = ref.update(params, ref.init(params), params)
+  # Same maths; only the coefficients' float32 vs float64 rounding differs.
+  np.testing.assert_allclose(u["w"]["kernel"], ur["w"]["kernel"], atol=1e-6, rtol=0)
+  bad = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(ns=np.ones((5, 2)))
+  with pytest.raises(ValueError, match=r"shape \(n, 3\).*\(5, 2\)"):
+    jax.jit(bad.update)(params, bad.init(params), params)

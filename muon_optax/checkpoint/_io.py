@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax import _routing
-from muon_optax._matrix_view import ViewFn, view_fn
+from muon_optax._matrix_view import ViewFn
 from muon_optax._state_sharding import state_shardings
 from muon_optax.checkpoint import _record
 
@@ -119,8 +119,9 @@ class Checkpointer:
     max_to_keep: how many of the most recent checkpoints to keep; None keeps all.
     async_save: write in a background thread; `save` returns once the arrays are
       copied off the devices. `wait()` blocks until the writes are committed.
-    labels, views, per_head: the routing settings given to `muon` (None: the
-      defaults), recorded with each checkpoint and checked on restore.
+    routing (or its shorthands labels, rules, views, per_head): the routing given to
+      `muon` (None: the default name rules), e.g. from `infer_routing`. It is recorded
+      with each checkpoint and checked on restore.
 
   Example:
     >>> import jax, jax.numpy as jnp, tempfile, muon_optax as mo
@@ -137,12 +138,13 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = 3,
-               async_save: bool = True, labels: _routing.Labels = None,
+               async_save: bool = True, routing: Optional[_routing.Routing] = None,
+               labels: _routing.Labels = None, rules: Optional[Sequence[_routing.Rule]] = None,
                views: Optional[ViewFn] = None, per_head: bool = False):
     ocp = _ocp()
     self.directory = os.path.abspath(os.fspath(directory))
-    self.labels = labels
-    self.views = view_fn(views, per_head)
+    self.routing = _routing.as_routing(routing=routing, labels=labels, rules=rules,
+                                       views=views, per_head=per_head)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)  # drop what a killed save left behind
@@ -150,7 +152,7 @@ class Checkpointer:
 
   def record(self, params: Any, opt_state: Any) -> dict:
     """The JSON record `save` writes beside (params, opt_state), without user metadata."""
-    return _record.record(params, opt_state, self.labels, self.views)
+    return _record.record(params, opt_state, self.routing, self.routing.view)
 
   def save(self, step: int, params: Any, opt_state: Any, *,
            metadata: Optional[dict] = None) -> None:

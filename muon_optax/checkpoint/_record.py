@@ -60,7 +60,7 @@ def _check_labels_fit_state(labels: dict[str, str], params: dict, state: Any) ->
           raise ValueError(
               f"parameter {name!r} is labelled {labels[name]!r} by the checkpointer's labels, "
               f"but the optimizer state keeps it {'in' if name in held else 'out of'} "
-              f"the {branch!r} branch. Give Checkpointer(labels=...) the labels given to "
+              f"the {branch!r} branch. Give Checkpointer(routing=...) the routing given to "
               "muon(...).")
 
 
@@ -74,7 +74,7 @@ def _routing_record(params: Any, state: Any, labels: _routing.Labels, views: Vie
     flat_labels = dict(_paths.leaves_with_path(label_tree))
   except ValueError as e:
     raise ValueError(
-        f"{e} (Checkpointer(labels=...) must be the labels given to muon(...).)") from None
+        f"{e} (Checkpointer(routing=...) must be the routing given to muon(...).)") from None
   _check_labels_fit_state(flat_labels, leaves(params), state)
   record = {}
   for path, x in _paths.leaves_with_path(params):
