@@ -1,24 +1,33 @@
-"""Newton–Schulz on a device mesh, partitioned by whole matrices and balanced by flops.
+"""Newton–Schulz on a device mesh: one packed exchange in, whole matrices, one out.
 
-Every matrix is orthogonalized whole on one device; no collective runs inside the
-iterations. Same-shape matrices form a group, kept in one layout: the stack
-(count, rows, cols) sharded along cols. Each group deals as many full *rounds*
-(one matrix per device) as it can: one all-to-all moves them to their devices and
-one brings the results back. The few matrices left over in each group (fewer than
-the device count) are gathered and packed together, largest first, into shared rounds
-whose shape is the largest of their members, so a group of 4 matrices on 8 devices
-shares its round with other leftovers instead of idling half of the mesh.
-Zero-padding is exact for Newton–Schulz (the Gram matrix keeps its block structure
-and ‖X‖_F is unchanged), and an empty slot is an all-zero matrix, whose result is 0.
+Every matrix is orthogonalized whole on one *owner* device; no collective runs inside
+the iterations. The assignment is static, computed from the shapes at trace time and
+balanced by flops: same-shape matrices are dealt in *rounds* (one matrix per device);
+the few left over in each shape group (fewer than the device count) share rounds,
+largest first, zero-padded to the round's largest shape. Zero-padding is exact for
+Newton–Schulz (X Xᵀ keeps its block structure, ‖X‖_F is unchanged) and an empty slot
+is an all-zero matrix, whose result is 0.
+
+The exchange is a `custom_partitioning` op, so it sees the layouts XLA chose:
+- in: each device cuts its block of every matrix into one piece per owner (a
+  block replicated over some mesh axes is split between its replicas), packs all
+  pieces into one flat buffer row per owner, and a single all-to-all delivers them;
+  the owner reassembles its matrices from the pieces;
+- out: if every update is wanted replicated (ZeRO-1 with replicated params), one
+  all-gather of the owners' packed results; otherwise one all-to-all sends each
+  device its block of every result, in the layout the update is wanted in.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._newton_schulz import newton_schulz_flops
@@ -33,37 +42,185 @@ class Round(NamedTuple):
   slots: tuple[Optional[Item], ...]  # one per device; None is an all-zero matrix
 
 
-def plan_rounds(shapes: list[tuple[int, int, int]], devices: int
-                ) -> tuple[dict[tuple[int, int], list[Item]], list[Round]]:
+def plan_rounds(shapes: list[tuple[int, int, int]], devices: int) -> list[Round]:
   """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
 
-  Returns every shape group's matrices in stack order (the first
-  len - len % devices of them fill the group's own full rounds), and the shared
-  rounds holding every group's leftovers.
+  Each shape group fills as many full rounds as it can; the leftovers of all groups
+  are packed largest first into shared rounds of their largest member's shape.
   """
   groups: dict[tuple[int, int], list[Item]] = {}
   for i, (count, rows, cols) in enumerate(shapes):
     groups.setdefault((rows, cols), []).extend((i, j) for j in range(count))
-  leftovers = [(shape, item) for shape, items in groups.items()
-               for item in items[len(items) - len(items) % devices:]]
+  rounds, leftovers = [], []
+  for (rows, cols), items in groups.items():
+    full = len(items) - len(items) % devices
+    rounds += [Round(rows, cols, tuple(items[s:s + devices])) for s in range(0, full, devices)]
+    leftovers += [((rows, cols), item) for item in items[full:]]
   # Largest first, so each shared round pads its members as little as possible.
   leftovers.sort(key=lambda e: -newton_schulz_flops(*e[0], 1))
-  shared = []
   for start in range(0, len(leftovers), devices):
     chunk = leftovers[start:start + devices]
     rows = max(shape[0] for shape, _ in chunk)
     cols = max(shape[1] for shape, _ in chunk)
     slots = tuple(item for _, item in chunk) + (None,) * (devices - len(chunk))
-    shared.append(Round(rows, cols, slots))
-  return groups, shared
+    rounds.append(Round(rows, cols, slots))
+  return rounds
 
 
 def per_device_flops(shapes: list[tuple[int, int, int]], devices: int, steps: int) -> int:
   """Newton–Schulz flops each device runs under `plan_rounds`."""
-  groups, shared = plan_rounds(shapes, devices)
-  return (sum(len(items) // devices * newton_schulz_flops(*shape, steps)
-              for shape, items in groups.items())
-          + sum(newton_schulz_flops(r.rows, r.cols, steps) for r in shared))
+  return sum(newton_schulz_flops(r.rows, r.cols, steps) for r in plan_rounds(shapes, devices))
+
+
+class Layout(NamedTuple):
+  """How a (count, rows, cols) stack lies on the mesh: every device holds the same
+  (bh, bw) block of each matrix; `where[s]` = (block row, block col, replica) of
+  device s (row-major over the mesh axes) and `grid` = (block rows, block cols)."""
+
+  spec: P
+  grid: tuple[int, int]
+  block: tuple[int, int]
+  replicas: int
+  where: tuple[tuple[int, int, int], ...]
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+
+
+def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:
+  """The supported layout closest to `sharding`: the count axis unsplit and the
+  matrix axes split evenly; axes it drops make the block replicated over them."""
+  spec = list(getattr(sharding, "spec", P())) + [None] * 3
+  sizes = dict(mesh.shape)
+  keep = [()]
+  for dim in (1, 2):
+    axes = _axes(spec[dim])
+    ok = all(a in sizes for a in axes) and shape[dim] % math.prod(sizes[a] for a in axes) == 0
+    keep.append(axes if ok else ())
+  used = set(keep[1] + keep[2])
+  rest = tuple(a for a in mesh.axis_names if a not in used)
+  radix = lambda coords, axes: int(np.ravel_multi_index(
+      [coords[a] for a in axes], [sizes[a] for a in axes])) if axes else 0
+  where = []
+  for s in range(mesh.size):
+    coords = dict(zip(mesh.axis_names, np.unravel_index(s, [sizes[a] for a in mesh.axis_names])))
+    where.append((radix(coords, keep[1]), radix(coords, keep[2]), radix(coords, rest)))
+  grid = tuple(math.prod(sizes[a] for a in keep[d]) for d in (1, 2))
+  entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
+  return Layout(P(None, entry(keep[1]), entry(keep[2])), grid,
+                (shape[1] // grid[0], shape[2] // grid[1]),
+                math.prod(sizes[a] for a in rest), tuple(where))
+
+
+def _linear_index(axes: tuple[str, ...], sizes: dict) -> jax.Array:
+  index = jnp.int32(0)
+  for a in axes:
+    index = index * sizes[a] + jax.lax.axis_index(a)
+  return index
+
+
+def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args):
+  """`branches[index_table[this device]](*args)`, statically when all agree."""
+  if len(set(index_table)) == 1:
+    return branches[index_table[0]](*args)
+  index = jnp.asarray(index_table, jnp.int32)[_linear_index(axes, sizes)]
+  return jax.lax.switch(index, branches, *args)
+
+
+def _exchange(ns_fn, mesh: Mesh, shapes, dtypes, ins: list[Layout], outs: list[Layout],
+              gather: bool):
+  """The per-device body: pack, all-to-all, reassemble, Newton–Schulz, send back."""
+  axes, n, sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
+  rounds = plan_rounds(shapes, n)
+  dtype = jnp.result_type(*dtypes)
+  piece = [math.ceil(lay.block[0] * lay.block[1] / lay.replicas) for lay in ins]
+
+  def variants(r: Round, key):
+    """Distinct keys of a round's members, and each device's index into them (an
+    empty slot takes the first member's: its pieces are zeros, any reassembly works)."""
+    keys = list(dict.fromkeys(key(item) for item in r.slots if item is not None))
+    return keys, [keys.index(key(item)) if item is not None else 0 for item in r.slots]
+
+  def lower(stacks):
+    # Each device's share of every matrix: its block, split between the block's replicas.
+    shares = []
+    for x, lay, q in zip(stacks, ins, piece):
+      flat = x.astype(dtype).reshape(x.shape[0], -1)
+      if lay.replicas > 1:
+        flat = jnp.pad(flat, ((0, 0), (0, q * lay.replicas - flat.shape[1])))
+        rest = tuple(a for a in axes if a not in set(_axes(lay.spec[1]) + _axes(lay.spec[2])))
+        flat = jax.lax.dynamic_slice_in_dim(flat, _linear_index(rest, sizes) * q, q, axis=1)
+      shares.append(flat)
+    width = [max(piece[item[0]] for item in r.slots if item is not None) for r in rounds]
+    rows = []
+    for d in range(n):  # the buffer row for owner d: its slot of every round
+      rows.append(jnp.concatenate([
+          jnp.pad(shares[item[0]][item[1]], (0, w - piece[item[0]])) if item is not None
+          else jnp.zeros((w,), dtype) for r, w in zip(rounds, width) for item in (r.slots[d],)]))
+    recv = jax.lax.all_to_all(jnp.stack(rows), axes, 0, 0, tiled=True)  # row s: from device s
+
+    def assemble(i, r: Round):
+      lay, q, (rows_, cols) = ins[i], piece[i], shapes[i][1:]
+      order = sorted(range(n), key=lambda s: lay.where[s])
+      def fn(seg):
+        x = seg[np.asarray(order), :q].reshape(*lay.grid, lay.replicas * q)
+        x = x[..., :lay.block[0] * lay.block[1]].reshape(*lay.grid, *lay.block)
+        x = x.transpose(0, 2, 1, 3).reshape(rows_, cols)
+        return jnp.pad(x, ((0, r.rows - rows_), (0, r.cols - cols)))
+      return fn
+
+    mats, start = [], 0
+    for r, w in zip(rounds, width):
+      keys, table = variants(r, lambda item: item[0])
+      mats.append(_switch(table, [assemble(i, r) for i in keys], axes, sizes,
+                          recv[:, start:start + w]))
+      start += w
+    results = list(mats)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for t, r in enumerate(rounds):
+      by_shape.setdefault((r.rows, r.cols), []).append(t)
+    for members in by_shape.values():  # local Newton–Schulz, one batch per shape
+      batch = ns_fn(jnp.stack([mats[t] for t in members]))
+      for k, t in enumerate(members):
+        results[t] = batch[k]
+
+    if gather:  # every device gets every result
+      sent = jax.lax.all_gather(jnp.concatenate([x.reshape(-1) for x in results]), axes,
+                                tiled=False)
+      offsets = np.cumsum([0] + [r.rows * r.cols for r in rounds])
+      where = {item: (d, t) for t, r in enumerate(rounds) for d, item in enumerate(r.slots)}
+      def result(i, j):
+        d, t = where[(i, j)]
+        x = sent[d, offsets[t]:offsets[t + 1]].reshape(rounds[t].rows, rounds[t].cols)
+        return x[:shapes[i][1], :shapes[i][2]]
+    else:  # every device gets its block of every result, in the wanted layout
+      def blocks(i, r: Round):
+        lay, (rows_, cols) = outs[i], shapes[i][1:]
+        bh, bw = lay.block
+        pick = np.asarray([lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(n)])
+        def fn(x):
+          b = x[:rows_, :cols].reshape(lay.grid[0], bh, lay.grid[1], bw).transpose(0, 2, 1, 3)
+          b = b.reshape(-1, bh * bw)[pick]
+          return jnp.pad(b, ((0, 0), (0, w_out[id(r)] - bh * bw)))
+        return fn
+      w_out = {id(r): max(math.prod(outs[item[0]].block) for item in r.slots if item is not None)
+               for r in rounds}
+      parts = []
+      for r, x in zip(rounds, results):
+        keys, table = variants(r, lambda item: item[0])
+        parts.append(_switch(table, [blocks(i, r) for i in keys], axes, sizes, x))
+      back = jax.lax.all_to_all(jnp.concatenate(parts, axis=1), axes, 0, 0, tiled=True)
+      offsets = np.cumsum([0] + [w_out[id(r)] for r in rounds])
+      where = {item: (d, t) for t, r in enumerate(rounds) for d, item in enumerate(r.slots)}
+      def result(i, j):
+        d, t = where[(i, j)]
+        size = math.prod(outs[i].block)
+        return back[d, offsets[t]:offsets[t] + size].reshape(outs[i].block)
+    return [jnp.stack([result(i, j) for j in range(shape[0])]).astype(dt)
+            for i, (shape, dt) in enumerate(zip(shapes, dtypes))]
+
+  return lower
 
 
 def mesh_axes(mesh: Mesh, data_axis: str) -> tuple[str, ...]:
@@ -77,61 +234,45 @@ def is_explicit(mesh: Mesh) -> bool:
 
 
 def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axis: str):
-  """A solver for `orthogonalize_leaves` that runs `ns_fn` on whole matrices, one
-  round slot per device, inside `jax.shard_map`."""
-  axes = mesh_axes(mesh, data_axis)
-  devices = mesh.size
-  constrain = jax.lax.with_sharding_constraint
+  """A solver for `orthogonalize_leaves` that runs `ns_fn` on whole matrices dealt
+  over the mesh, with one packed exchange in and one out (see the module doc)."""
+  mesh_axes(mesh, data_axis)
 
-  def by_cols(x):  # a group's resting layout: every matrix split along its columns
-    return constrain(x, P(None, None, axes) if x.shape[-1] % devices == 0 else P())
+  def partition(mesh_, arg_shapes, result_shape):
+    (args,) = arg_shapes
+    shapes = [tuple(a.shape) for a in args]
+    ins = [layout_of(a.sharding, s, mesh_) for a, s in zip(args, shapes)]
+    outs = [layout_of(r.sharding, s, mesh_) for r, s in zip(result_shape, shapes)]
+    gather = all(lay.grid == (1, 1) for lay in outs)
+    lower = _exchange(ns_fn, mesh_, shapes, [a.dtype for a in args], ins, outs, gather)
+    named = lambda layouts: [NamedSharding(mesh_, lay.spec) for lay in layouts]
+    return mesh_, lower, named(outs), (named(ins),)
 
-  def local_ns(stack):  # (devices · k, rows, cols), device d holding rows [d·k, (d+1)·k)
-    stack = constrain(stack, P(axes))
-    return jax.shard_map(ns_fn, mesh=jax.sharding.get_abstract_mesh(),
-                         in_specs=P(axes), out_specs=P(axes))(stack)
-
-  def solve_shared(shared, leftovers, dtype):
-    """Orthogonalizes the leftovers in their shared rounds: {item: result}."""
-    by_shape: dict[tuple[int, int], list[Round]] = {}
-    for r in shared:
-      by_shape.setdefault((r.rows, r.cols), []).append(r)
-    results = {}
-    for (rows, cols), rounds in by_shape.items():
-      def padded(item):
-        if item is None:
-          return jnp.zeros((rows, cols), dtype)
-        x = leftovers[item].astype(dtype)
-        return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
-      order = [r.slots[d] for d in range(devices) for r in rounds]  # device-major
-      out = constrain(local_ns(jnp.stack([padded(item) for item in order])), P())
-      for pos, item in enumerate(order):
-        if item is not None:
-          results[item] = out[pos, :leftovers[item].shape[0], :leftovers[item].shape[1]]
-    return results
+  def infer(mesh_, arg_shapes, result_shape):  # GSPMD only: results like the arguments
+    return [NamedSharding(mesh_, layout_of(a.sharding, tuple(a.shape), mesh_).spec)
+            for a in arg_shapes[0]]
 
   def solve_auto(stacks):
-    groups, shared = plan_rounds([s.shape for s in stacks], devices)
-    results, leftovers = {}, {}
-    for items in groups.values():
-      group = by_cols(jnp.concatenate([stacks[i] for i in dict.fromkeys(i for i, _ in items)]))
-      dealt = len(items) - len(items) % devices
-      if dealt:  # device d takes the group's matrices [d·k, (d+1)·k)
-        out = by_cols(local_ns(group[:dealt]))
-        results.update((item, out[pos]) for pos, item in enumerate(items[:dealt]))
-      if dealt < len(items):
-        rest = constrain(group[dealt:], P())  # the group's leftovers, gathered once
-        leftovers.update((item, rest[pos]) for pos, item in enumerate(items[dealt:]))
-    results.update(solve_shared(shared, leftovers, jnp.result_type(*stacks)))
-    return [jnp.stack([results[(i, j)] for j in range(s.shape[0])]).astype(s.dtype)
-            for i, s in enumerate(stacks)]
+    @custom_partitioning
+    def solve_all(xs):  # unpartitioned meaning: each stack orthogonalized in place
+      return [ns_fn(x) for x in xs]
+    # Shardy rule: the results share no factor with the arguments, so each side keeps
+    # the layout its neighbours give it and `partition` sees both.
+    dims = lambda k: " ".join(f"{c}{k}" for c in "abc")
+    count = len(stacks)
+    rule = (", ".join(dims(k) for k in range(count)) + " -> "
+            + ", ".join(dims(k + count) for k in range(count)))
+    solve_all.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                            sharding_rule=rule)
+    return solve_all(list(stacks))
 
   def solve(stacks):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      if not is_explicit(mesh):
-        return solve_auto(stacks)
-      # Explicit axes: plan in Auto mode, hand results back with the inputs' shardings.
-      out = [jax.typeof(s).sharding for s in stacks]
-      return jax.sharding.auto_axes(solve_auto, out_sharding=out)(stacks)
+    if not stacks:
+      return []
+    if not is_explicit(mesh):
+      return solve_auto(stacks)
+    # Explicit axes: exchange in Auto mode, hand results back with the inputs' shardings.
+    out = [jax.typeof(s).sharding for s in stacks]
+    return jax.sharding.auto_axes(solve_auto, out_sharding=out)(list(stacks))
 
   return solve
