@@ -1,10 +1,14 @@
 """Distributed Muon vs optax.contrib.muon under the same sharding: per-device flops,
-collectives and optimizer-state bytes on a GPT-2-small-shaped tree.
+collectives, the bytes they move and optimizer-state bytes on a GPT-2-small-shaped tree.
 
     python benchmarks/distributed.py [--layers 12] [--devices 1 2 4 8]
 
 Everything here is read from compiled programs (XLA cost analysis, collectives in the
-HLO text) and array shards, not timed: the figures are deterministic. Both optimizers
+HLO text) and array shards, not timed: the figures are deterministic. Collective
+bytes are those one device receives from the others (`mo.collective_stats`); the
+minimal bytes are those of moving every Muon element to its owner and back once,
+2 (n−1)/n × (Muon bytes / n), plus under ZeRO-1 (replicated params) what every device
+must receive of an update it did not compute, (n−1)/n × (all update bytes). Both optimizers
 get the same routing (hidden matrices to Muon, the embedding to AdamW), the same
 params layout (ZeRO-1: replicated; FSDP: split along "data") and the state layout of
 `mo.state_shardings`. Meshes use Auto axes: optax.contrib.muon fails on Explicit ones.
@@ -52,6 +56,14 @@ def layout(params, mesh, kind: str):
                       params, shardings)
 
 
+def minimal_bytes(params, mesh, kind: str) -> float:
+  n = mesh.size
+  size = lambda leaves: sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+  labels = jax.tree.leaves(mo.label_params(params))
+  muon = size([x for x, l in zip(jax.tree.leaves(params), labels) if l == "muon"])
+  return 2 * (n - 1) / n * muon / n + (kind == "zero1") * (n - 1) / n * size(jax.tree.leaves(params))
+
+
 def measure(tx, params, mesh):
   shardings = mo.state_shardings(tx, params, mesh)
   state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
@@ -77,7 +89,8 @@ def main():
   print(f"GPT-2-small-shaped tree, {args.layers} layers, {MAX_DEVICES} simulated CPU devices; "
         f"{machine()}")
   header = (f"{'layout':<6} {'dev':>3} {'optimizer':<18} {'GFLOP/device':>12} {'vs 1/n':>7} "
-            f"{'collectives':>11} {'coll. MB':>9} {'state MB/device':>15}")
+            f"{'collectives':>11} {'coll. MB':>9} {'minimal MB':>10} {'× min':>6} "
+            f"{'state MB/device':>15}")
   print(header + "\n" + "-" * len(header))
   single = {}
   for kind in ("zero1", "fsdp"):
@@ -85,6 +98,7 @@ def main():
       mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
                            axis_types=(jax.sharding.AxisType.Auto,))
       placed = layout(params, mesh, kind)
+      least = minimal_bytes(params, mesh, kind)
       arms = {"muon_optax": mo.muon(0.02, mesh=mesh, adam=mo.AuxAdam(backend="optax")),
               "optax.contrib.muon": optax.contrib.muon(
                   0.02, muon_weight_dimension_numbers=contrib_dimension_numbers)}
@@ -94,9 +108,13 @@ def main():
           single[name] = r["flops"]
         ideal = single.get(name, r["flops"] * n) / n
         print(f"{kind:<6} {n:>3} {name:<18} {r['flops'] / 1e9:>12.1f} {r['flops'] / ideal:>7.3f} "
-              f"{r['collectives']:>11} {r['collective_bytes'] / 1e6:>9.1f} "
-              f"{r['state_bytes'] / 1e6:>15.1f}")
+              f"{r['collectives']:>11} {r['collective_bytes'] / 1e6:>9.1f} {least / 1e6:>10.1f} "
+              f"{r['collective_bytes'] / least if least else 0:>6.2f} {r['state_bytes'] / 1e6:>15.1f}")
+        if n == max(args.devices) and name == "muon_optax":
+          print(f"{'':<10} muon_optax collectives: {r['detail']}")
   print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
+  print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "
+        "every Muon element to its owner and back once, plus (ZeRO-1) the replicated update.")
   print("Both route the same leaves: hidden matrices to Muon, the embedding to AdamW.")
 
 
