@@ -126,7 +126,9 @@ def orthogonalize(
   views = view_fn(views, per_head)
   ns_fn = lambda stack: newton_schulz(stack, ns=ns, steps=ns_steps, compute_dtype=compute_dtype,
                                      gram=gram)
-  solver = grouped_solver(ns_fn) if mesh is None else sharded_solver(ns_fn, mesh, data_axis)
+  solver = (grouped_solver(ns_fn) if mesh is None else
+            sharded_solver(ns_fn, mesh, data_axis, ns=ns, steps=ns_steps,
+                           compute_dtype=compute_dtype))
 
   def update_fn(updates, state, params=None):
     del params

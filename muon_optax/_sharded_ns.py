@@ -30,24 +30,51 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz import newton_schulz_flops
+from muon_optax._newton_schulz import coefficient_schedule, newton_schulz_flops
 from muon_optax._state_sharding import check_data_axis
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
+SplitOk = Callable[[Item, int], bool]
 
 
 class Round(NamedTuple):
+  """One matrix per device, all (rows, cols) after zero-padding; with split = g > 1,
+  g consecutive devices share a matrix, device d holding columns part d % g."""
+
   rows: int
   cols: int
   slots: tuple[Optional[Item], ...]  # one per device; None is an all-zero matrix
+  split: int = 1
 
 
-def plan_rounds(shapes: list[tuple[int, int, int]], devices: int) -> list[Round]:
+def split_flops(rows: int, cols: int, split: int, steps: int) -> int:
+  """Per-device flops of the standard iteration on a rows×cols (rows ≤ cols)
+  matrix whose columns are split over `split` devices: X Xᵀ and B X are split,
+  the rows×rows square is not."""
+  return steps * (4 * rows * rows * cols // split + 2 * rows ** 3)
+
+
+def _split_of(members, rows, cols, devices, steps, split_ok) -> int:
+  """The largest split that fits a round of `members` matrices and saves flops."""
+  best, g = 1, 2
+  while len(members) * g <= devices and devices % g == 0:
+    if cols % g == 0 and all(split_ok(item, g) for item in members):
+      if split_flops(rows, cols, g, steps) < newton_schulz_flops(rows, cols, steps):
+        best = g
+    g *= 2
+  return best
+
+
+def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, steps: int = 5,
+                split_ok: Optional[SplitOk] = None) -> list[Round]:
   """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
 
   Each shape group fills as many full rounds as it can; the leftovers of all groups
-  are packed largest first into shared rounds of their largest member's shape.
+  are packed largest first into shared rounds of their largest member's shape. A
+  round with fewer members than devices splits each member's columns over the
+  idle devices when that lowers the per-device flops and `split_ok(item, g)` allows.
   """
+  split_ok = split_ok or (lambda item, g: shapes[item[0]][2] % g == 0)
   groups: dict[tuple[int, int], list[Item]] = {}
   for i, (count, rows, cols) in enumerate(shapes):
     groups.setdefault((rows, cols), []).extend((i, j) for j in range(count))
@@ -62,14 +89,18 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int) -> list[Round]
     chunk = leftovers[start:start + devices]
     rows = max(shape[0] for shape, _ in chunk)
     cols = max(shape[1] for shape, _ in chunk)
-    slots = tuple(item for _, item in chunk) + (None,) * (devices - len(chunk))
-    rounds.append(Round(rows, cols, slots))
+    members = [item for _, item in chunk]
+    g = _split_of(members, rows, cols, devices, steps, split_ok)
+    slots = tuple(item for item in members for _ in range(g))
+    rounds.append(Round(rows, cols, slots + (None,) * (devices - len(slots)), g))
   return rounds
 
 
 def per_device_flops(shapes: list[tuple[int, int, int]], devices: int, steps: int) -> int:
   """Newton–Schulz flops each device runs under `plan_rounds`."""
-  return sum(newton_schulz_flops(r.rows, r.cols, steps) for r in plan_rounds(shapes, devices))
+  return sum(newton_schulz_flops(r.rows, r.cols, steps) if r.split == 1
+             else split_flops(r.rows, r.cols, r.split, steps)
+             for r in plan_rounds(shapes, devices, steps))
 
 
 class Layout(NamedTuple):
@@ -128,95 +159,147 @@ def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args
   return jax.lax.switch(index, branches, *args)
 
 
-def _exchange(ns_fn, mesh: Mesh, shapes, dtypes, ins: list[Layout], outs: list[Layout],
-              gather: bool):
+def _group_reduce(x, op, g: int, axes, n: int):
+  """`op`-reduction over the g consecutive devices that share a matrix: a butterfly
+  of collective-permutes, whose result is bitwise the same on every member."""
+  bit = 1
+  while bit < g:
+    x = op(x, jax.lax.ppermute(x, axes, [(s, s ^ bit) for s in range(n)]))
+    bit *= 2
+  return x
+
+
+def split_newton_schulz(x, g: int, axes, n: int, ns, steps: int, compute_dtype):
+  """The standard Newton–Schulz iteration on column parts of wide matrices, each
+  shared by g consecutive devices: X Xᵀ is summed over the parts, the rest is local
+  (column blocks of NS(X) are NS applied with the whole X Xᵀ)."""
+  coeffs, safety = coefficient_schedule(ns, steps)
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  cdt = jnp.dtype(compute_dtype)
+  y = x.astype(acc)
+  reduce = lambda v, op: _group_reduce(v, op, g, axes, n)
+  peak = reduce(jnp.max(jnp.abs(y), axis=(-2, -1), keepdims=True), jnp.maximum)
+  y = y / jnp.where(peak > 0, peak, 1)  # as `newton_schulz`: exact for any finite scale
+  norm = jnp.sqrt(reduce(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True), jnp.add)) * safety
+  y = y / jnp.where(norm > 0, norm, 1)
+  mm = lambda a, b: jnp.matmul(a.astype(cdt), b.astype(cdt), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=acc)
+  for a, b, c in coeffs:
+    gram = reduce(mm(y, jnp.swapaxes(y, -1, -2)), jnp.add)
+    y = a * y + mm(b * gram + c * mm(gram, gram), y)
+  return y.astype(x.dtype)
+
+
+def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
+              outs: list[Layout], gather: bool, steps: int):
   """The per-device body: pack, all-to-all, reassemble, Newton–Schulz, send back."""
   axes, n, sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
-  rounds = plan_rounds(shapes, n)
-  dtype = jnp.result_type(*dtypes)
-  piece = [math.ceil(lay.block[0] * lay.block[1] / lay.replicas) for lay in ins]
 
-  def variants(r: Round, key):
-    """Distinct keys of a round's members, and each device's index into them (an
-    empty slot takes the first member's: its pieces are zeros, any reassembly works)."""
-    keys = list(dict.fromkeys(key(item) for item in r.slots if item is not None))
-    return keys, [keys.index(key(item)) if item is not None else 0 for item in r.slots]
+  def split_ok(item, g):
+    i = item[0]
+    return ins[i].block[1] % g == 0 and (gather or outs[i].grid[1] == ins[i].grid[1])
+
+  rounds = plan_rounds(shapes, n, steps, split_ok)
+  dtype = jnp.result_type(*dtypes)
+  piece = lambda i, g: math.ceil(math.prod(ins[i].block) // g / ins[i].replicas)
+  where = {}  # item -> (round, its first device)
+  for t, r in enumerate(rounds):
+    for d, item in enumerate(r.slots):
+      where.setdefault(item, (t, d))
+
+  def variants(r: Round):
+    """The stacks of a round's members, and each device's index into them (an empty
+    slot takes the first member's: its pieces are zeros, any reassembly works)."""
+    keys = list(dict.fromkeys(item[0] for item in r.slots if item is not None))
+    return keys, [keys.index(item[0]) if item is not None else 0 for item in r.slots]
 
   def lower(stacks):
-    # Each device's share of every matrix: its block, split between the block's replicas.
-    shares = []
-    for x, lay, q in zip(stacks, ins, piece):
-      flat = x.astype(dtype).reshape(x.shape[0], -1)
+    # Each device's share of every matrix: its block (column part p of g), split
+    # between the block's replicas: shares[(i, g)] has shape (count, g, piece).
+    shares = {}
+    for i, g in {(item[0], r.split) for r in rounds for item in r.slots if item is not None}:
+      lay, q, x = ins[i], piece(i, g), stacks[i].astype(dtype)
+      bh, bw = lay.block
+      x = x.reshape(-1, bh, g, bw // g).transpose(0, 2, 1, 3).reshape(x.shape[0], g, -1)
       if lay.replicas > 1:
-        flat = jnp.pad(flat, ((0, 0), (0, q * lay.replicas - flat.shape[1])))
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, q * lay.replicas - x.shape[2])))
         rest = tuple(a for a in axes if a not in set(_axes(lay.spec[1]) + _axes(lay.spec[2])))
-        flat = jax.lax.dynamic_slice_in_dim(flat, _linear_index(rest, sizes) * q, q, axis=1)
-      shares.append(flat)
-    width = [max(piece[item[0]] for item in r.slots if item is not None) for r in rounds]
+        x = jax.lax.dynamic_slice_in_dim(x, _linear_index(rest, sizes) * q, q, axis=2)
+      shares[(i, g)] = x
+    width = [max(piece(item[0], r.split) for item in r.slots if item is not None) for r in rounds]
     rows = []
     for d in range(n):  # the buffer row for owner d: its slot of every round
-      rows.append(jnp.concatenate([
-          jnp.pad(shares[item[0]][item[1]], (0, w - piece[item[0]])) if item is not None
-          else jnp.zeros((w,), dtype) for r, w in zip(rounds, width) for item in (r.slots[d],)]))
+      row = []
+      for r, w in zip(rounds, width):
+        item = r.slots[d]
+        if item is None:
+          row.append(jnp.zeros((w,), dtype))
+        else:
+          share = shares[(item[0], r.split)][item[1], d % r.split]
+          row.append(jnp.pad(share, (0, w - share.shape[0])))
+      rows.append(jnp.concatenate(row))
     recv = jax.lax.all_to_all(jnp.stack(rows), axes, 0, 0, tiled=True)  # row s: from device s
 
     def assemble(i, r: Round):
-      lay, q, (rows_, cols) = ins[i], piece[i], shapes[i][1:]
-      order = sorted(range(n), key=lambda s: lay.where[s])
+      lay, q, (rows_, cols) = ins[i], piece(i, r.split), shapes[i][1:]
+      bh, bw = lay.block[0], lay.block[1] // r.split
+      order = np.asarray(sorted(range(n), key=lambda s: lay.where[s]))
       def fn(seg):
-        x = seg[np.asarray(order), :q].reshape(*lay.grid, lay.replicas * q)
-        x = x[..., :lay.block[0] * lay.block[1]].reshape(*lay.grid, *lay.block)
-        x = x.transpose(0, 2, 1, 3).reshape(rows_, cols)
-        return jnp.pad(x, ((0, r.rows - rows_), (0, r.cols - cols)))
+        x = seg[order, :q].reshape(*lay.grid, lay.replicas * q)[..., :bh * bw]
+        x = x.reshape(*lay.grid, bh, bw).transpose(0, 2, 1, 3).reshape(rows_, cols // r.split)
+        return jnp.pad(x, ((0, r.rows - rows_), (0, (r.cols - cols) // r.split)))
       return fn
 
     mats, start = [], 0
     for r, w in zip(rounds, width):
-      keys, table = variants(r, lambda item: item[0])
+      keys, table = variants(r)
       mats.append(_switch(table, [assemble(i, r) for i in keys], axes, sizes,
                           recv[:, start:start + w]))
       start += w
     results = list(mats)
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for t, r in enumerate(rounds):
-      by_shape.setdefault((r.rows, r.cols), []).append(t)
-    for members in by_shape.values():  # local Newton–Schulz, one batch per shape
-      batch = ns_fn(jnp.stack([mats[t] for t in members]))
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for t, (r, x) in enumerate(zip(rounds, mats)):
+      by_shape.setdefault((*x.shape, r.split), []).append(t)
+    for (_, _, g), members in by_shape.items():  # local Newton–Schulz, one batch per shape
+      batch = jnp.stack([mats[t] for t in members])
+      batch = ns_fn(batch) if g == 1 else split_ns(batch, g, axes, n)
       for k, t in enumerate(members):
         results[t] = batch[k]
 
     if gather:  # every device gets every result
       sent = jax.lax.all_gather(jnp.concatenate([x.reshape(-1) for x in results]), axes,
                                 tiled=False)
-      offsets = np.cumsum([0] + [r.rows * r.cols for r in rounds])
-      where = {item: (d, t) for t, r in enumerate(rounds) for d, item in enumerate(r.slots)}
+      offsets = np.cumsum([0] + [x.size for x in results])
       def result(i, j):
-        d, t = where[(i, j)]
-        x = sent[d, offsets[t]:offsets[t + 1]].reshape(rounds[t].rows, rounds[t].cols)
-        return x[:shapes[i][1], :shapes[i][2]]
+        (t, d), r = where[(i, j)], rounds[where[(i, j)][0]]
+        ak, bw = ins[i].grid[1], ins[i].block[1] // r.split
+        parts = [sent[d + p, offsets[t]:offsets[t + 1]].reshape(results[t].shape)
+                 for p in range(r.split)]
+        x = jnp.stack([x[:shapes[i][1], :shapes[i][2] // r.split] for x in parts])
+        return x.reshape(r.split, -1, ak, bw).transpose(1, 2, 0, 3).reshape(shapes[i][1:])
     else:  # every device gets its block of every result, in the wanted layout
-      def blocks(i, r: Round):
+      w_out = [max(math.prod(outs[item[0]].block) // r.split for item in r.slots if item)
+               for r in rounds]
+      def blocks(i, r: Round, w):
         lay, (rows_, cols) = outs[i], shapes[i][1:]
-        bh, bw = lay.block
+        bh, bw = lay.block[0], lay.block[1] // r.split
         pick = np.asarray([lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(n)])
         def fn(x):
-          b = x[:rows_, :cols].reshape(lay.grid[0], bh, lay.grid[1], bw).transpose(0, 2, 1, 3)
-          b = b.reshape(-1, bh * bw)[pick]
-          return jnp.pad(b, ((0, 0), (0, w_out[id(r)] - bh * bw)))
+          b = x[:rows_, :cols // r.split].reshape(lay.grid[0], bh, lay.grid[1], bw)
+          b = b.transpose(0, 2, 1, 3).reshape(-1, bh * bw)[pick]
+          return jnp.pad(b, ((0, 0), (0, w - bh * bw)))
         return fn
-      w_out = {id(r): max(math.prod(outs[item[0]].block) for item in r.slots if item is not None)
-               for r in rounds}
       parts = []
-      for r, x in zip(rounds, results):
-        keys, table = variants(r, lambda item: item[0])
-        parts.append(_switch(table, [blocks(i, r) for i in keys], axes, sizes, x))
+      for r, x, w in zip(rounds, results, w_out):
+        keys, table = variants(r)
+        parts.append(_switch(table, [blocks(i, r, w) for i in keys], axes, sizes, x))
       back = jax.lax.all_to_all(jnp.concatenate(parts, axis=1), axes, 0, 0, tiled=True)
-      offsets = np.cumsum([0] + [w_out[id(r)] for r in rounds])
-      where = {item: (d, t) for t, r in enumerate(rounds) for d, item in enumerate(r.slots)}
+      offsets = np.cumsum([0] + w_out)
       def result(i, j):
-        d, t = where[(i, j)]
-        size = math.prod(outs[i].block)
-        return back[d, offsets[t]:offsets[t] + size].reshape(outs[i].block)
+        (t, d), r = where[(i, j)], rounds[where[(i, j)][0]]
+        bh, bw = outs[i].block[0], outs[i].block[1] // r.split
+        return jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * bw].reshape(bh, bw)
+                                for p in range(r.split)], axis=1)
     return [jnp.stack([result(i, j) for j in range(shape[0])]).astype(dt)
             for i, (shape, dt) in enumerate(zip(shapes, dtypes))]
 
@@ -233,10 +316,14 @@ def is_explicit(mesh: Mesh) -> bool:
   return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axis: str):
+def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axis: str, *,
+                   ns="jordan", steps: int = 5, compute_dtype="float32"):
   """A solver for `orthogonalize_leaves` that runs `ns_fn` on whole matrices dealt
-  over the mesh, with one packed exchange in and one out (see the module doc)."""
+  over the mesh, with one packed exchange in and one out (see the module doc).
+  `ns`, `steps` and `compute_dtype` (those of `ns_fn`) drive the matrices split
+  over several devices, which run the standard iteration (`split_newton_schulz`)."""
   mesh_axes(mesh, data_axis)
+  split_ns = lambda x, g, axes, n: split_newton_schulz(x, g, axes, n, ns, steps, compute_dtype)
 
   def partition(mesh_, arg_shapes, result_shape):
     (args,) = arg_shapes
@@ -244,7 +331,8 @@ def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axi
     ins = [layout_of(a.sharding, s, mesh_) for a, s in zip(args, shapes)]
     outs = [layout_of(r.sharding, s, mesh_) for r, s in zip(result_shape, shapes)]
     gather = all(lay.grid == (1, 1) for lay in outs)
-    lower = _exchange(ns_fn, mesh_, shapes, [a.dtype for a in args], ins, outs, gather)
+    lower = _exchange(ns_fn, split_ns, mesh_, shapes, [a.dtype for a in args], ins, outs,
+                      gather, steps)
     named = lambda layouts: [NamedSharding(mesh_, lay.spec) for lay in layouts]
     return mesh_, lower, named(outs), (named(ins),)
 
