@@ -7,8 +7,9 @@ Everything here is read from compiled programs (XLA cost analysis, collectives i
 HLO text) and array shards, not timed: the figures are deterministic. Collective
 bytes are those one device receives from the others (`mo.collective_stats`); the
 minimal bytes are those of moving every Muon element to its owner and back once,
-2 (n−1)/n × (Muon bytes / n), plus under ZeRO-1 (replicated params) what every device
-must receive of an update it did not compute, (n−1)/n × (all update bytes). Both optimizers
+2 (n−1)/n × (Muon bytes / n); under ZeRO-1 (replicated params) the way back is
+instead every device receiving the updates it did not compute: (n−1)/n × (Muon
+bytes / n) + (n−1)/n × (all update bytes). Both optimizers
 get the same routing (hidden matrices to Muon, the embedding to AdamW), the same
 params layout (ZeRO-1: replicated; FSDP: split along "data") and the state layout of
 `mo.state_shardings`. Meshes use Auto axes: optax.contrib.muon fails on Explicit ones.
@@ -61,7 +62,8 @@ def minimal_bytes(params, mesh, kind: str) -> float:
   size = lambda leaves: sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
   labels = jax.tree.leaves(mo.label_params(params))
   muon = size([x for x, l in zip(jax.tree.leaves(params), labels) if l == "muon"])
-  return 2 * (n - 1) / n * muon / n + (kind == "zero1") * (n - 1) / n * size(jax.tree.leaves(params))
+  back = (n - 1) / n * (size(jax.tree.leaves(params)) if kind == "zero1" else muon / n)
+  return (n - 1) / n * muon / n + back
 
 
 def measure(tx, params, mesh):
@@ -114,7 +116,8 @@ def main():
           print(f"{'':<10} muon_optax collectives: {r['detail']}")
   print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
   print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "
-        "every Muon element to its owner and back once, plus (ZeRO-1) the replicated update.")
+        "every Muon element to its owner and back once (ZeRO-1: back = the whole update to every "
+        "device).")
   print("Both route the same leaves: hidden matrices to Muon, the embedding to AdamW.")
 
 

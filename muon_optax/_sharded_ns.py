@@ -1,12 +1,14 @@
-"""Newton–Schulz on a device mesh: one packed exchange in, whole matrices, one out.
+"""Newton–Schulz on a device mesh: one packed exchange in, local work, one out.
 
-Every matrix is orthogonalized whole on one *owner* device; no collective runs inside
-the iterations. The assignment is static, computed from the shapes at trace time and
-balanced by flops: same-shape matrices are dealt in *rounds* (one matrix per device);
-the few left over in each shape group (fewer than the device count) share rounds,
-largest first, zero-padded to the round's largest shape. Zero-padding is exact for
-Newton–Schulz (X Xᵀ keeps its block structure, ‖X‖_F is unchanged) and an empty slot
-is an all-zero matrix, whose result is 0.
+The assignment is static, computed from the shapes at trace time and balanced by
+flops: same-shape matrices are dealt in *rounds* (one matrix per device); the few
+left over in each shape group share rounds, largest first, zero-padded to the
+round's largest shape. Zero-padding is exact for Newton–Schulz (X Xᵀ keeps its block
+structure, ‖X‖_F is unchanged); an empty slot is an all-zero matrix, whose result is 0.
+Whole matrices need no collective inside the iterations. A round with fewer
+matrices than devices splits each matrix's columns over g devices instead of
+idling them: NS(X) restricted to some columns only needs the whole X Xᵀ, summed
+over the g parts once per step (`split_newton_schulz`).
 
 The exchange is a `custom_partitioning` op, so it sees the layouts XLA chose:
 - in: each device cuts its block of every matrix into one piece per owner (a
