@@ -308,12 +308,6 @@ def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
   return lower
 
 
-def mesh_axes(mesh: Mesh, data_axis: str) -> tuple[str, ...]:
-  """All mesh axes, data axis first: the matrices are dealt over every device."""
-  check_data_axis(mesh, data_axis)
-  return (data_axis,) + tuple(a for a in mesh.axis_names if a != data_axis)
-
-
 def is_explicit(mesh: Mesh) -> bool:
   return any(t == AxisType.Explicit for t in mesh.axis_types)
 
@@ -323,8 +317,9 @@ def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axi
   """A solver for `orthogonalize_leaves` that runs `ns_fn` on whole matrices dealt
   over the mesh, with one packed exchange in and one out (see the module doc).
   `ns`, `steps` and `compute_dtype` (those of `ns_fn`) drive the matrices split
-  over several devices, which run the standard iteration (`split_newton_schulz`)."""
-  mesh_axes(mesh, data_axis)
+  over several devices, which run the standard iteration (`split_newton_schulz`).
+  Matrices are dealt over every device of the mesh, whatever axis `data_axis` names."""
+  check_data_axis(mesh, data_axis)
   split_ns = lambda x, g, axes, n: split_newton_schulz(x, g, axes, n, ns, steps, compute_dtype)
 
   def partition(mesh_, arg_shapes, result_shape):
