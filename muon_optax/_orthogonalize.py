@@ -71,13 +71,19 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array]) -> Solver:
   return solve
 
 
-def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver) -> Any:
+def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any = None) -> Any:
   """Sees every Muon leaf as a stack of wide matrices, orthogonalizes all of them with
-  `solver`, and puts each result back in its leaf's layout."""
+  `solver`, and puts each result back in its leaf's layout. With `like` (the params),
+  the solver also gets their stacks, whose layout the results should take."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_paths.is_masked)
   wides = {i: _to_wide(leaf, matrix_view_of(views, _paths.path_str(path), leaf))
            for i, (path, leaf) in enumerate(flat) if not _paths.is_masked(leaf)}
-  results = solver([w.stack for w in wides.values()])
+  stacks = [w.stack for w in wides.values()]
+  if like is None:
+    results = solver(stacks)
+  else:
+    leaves = jax.tree_util.tree_leaves(like, is_leaf=_paths.is_masked)
+    results = solver(stacks, [_to_wide(leaves[i], w.view).stack for i, w in wides.items()])
   out = [leaf for _, leaf in flat]
   for (i, wide), result in zip(wides.items(), results):
     out[i] = _from_wide(result, wide, flat[i][1].shape)
@@ -131,7 +137,7 @@ def orthogonalize(
                            compute_dtype=compute_dtype))
 
   def update_fn(updates, state, params=None):
-    del params
-    return orthogonalize_leaves(updates, views, solver), state
+    like = params if mesh is not None else None  # on a mesh, results laid out like params
+    return orthogonalize_leaves(updates, views, solver, like), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -351,13 +351,15 @@ def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axi
                             sharding_rule=rule)
     return solve_all(list(stacks))
 
-  def solve(stacks):
+  def solve(stacks, like=None):
+    """`like`: arrays (the params as stacks) whose layout the results should take;
+    on Auto axes XLA finds that layout itself."""
     if not stacks:
       return []
     if not is_explicit(mesh):
       return solve_auto(stacks)
-    # Explicit axes: exchange in Auto mode, hand results back with the inputs' shardings.
-    out = [jax.typeof(s).sharding for s in stacks]
+    # Explicit axes: exchange in Auto mode, hand results back in `like`'s layout.
+    out = [jax.typeof(s).sharding for s in (stacks if like is None else like)]
     return jax.sharding.auto_axes(solve_auto, out_sharding=out)(list(stacks))
 
   return solve

@@ -170,6 +170,15 @@ def test_gpt2_small_update_in_a_few_collectives(kind, most):
   assert sum(b for _, b in stats.values()) <= 1.1 * minimal, (stats, minimal)
 
 
+@pytest.mark.parametrize("kind, most", [("fsdp", 2), ("zero1", 2)])
+def test_explicit_mesh_update_in_a_few_collectives(kind, most):
+  # On Explicit axes the results take the params' layout: ZeRO-1 gathers once, not per leaf.
+  params, mesh = gpt2_small_tree(layers=2, d=128), mesh_of(types=EXPLICIT)
+  stats = mo.collective_stats(compiled_update(mo.muon(0.02, mesh=mesh), params, mesh,
+                                              kind).as_text())
+  assert sum(c for c, _ in stats.values()) <= most, stats
+
+
 @pytest.mark.parametrize("kind", ["fsdp", "zero1"])
 def test_one_layer_per_device_flops_at_most_optax_contrib_muons(kind):
   # 4 matrices on 8 devices: whole matrices would leave the largest (768×3072) on one
