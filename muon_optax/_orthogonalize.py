@@ -79,11 +79,12 @@ def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any 
   wides = {i: _to_wide(leaf, matrix_view_of(views, _paths.path_str(path), leaf))
            for i, (path, leaf) in enumerate(flat) if not _paths.is_masked(leaf)}
   stacks = [w.stack for w in wides.values()]
-  if like is None:
-    results = solver(stacks)
-  else:
-    leaves = jax.tree_util.tree_leaves(like, is_leaf=_paths.is_masked)
+  leaves = [] if like is None else jax.tree_util.tree_leaves(like, is_leaf=_paths.is_masked)
+  if like is not None and len(leaves) == len(flat) and all(
+      getattr(leaves[i], "shape", None) == flat[i][1].shape for i in wides):
     results = solver(stacks, [_to_wide(leaves[i], w.view).stack for i, w in wides.items()])
+  else:
+    results = solver(stacks)
   out = [leaf for _, leaf in flat]
   for (i, wide), result in zip(wides.items(), results):
     out[i] = _from_wide(result, wide, flat[i][1].shape)
@@ -115,9 +116,10 @@ def orthogonalize(
     compute_dtype: dtype of the iteration (float32 by default).
     gram: Gram-space iteration on (True), off (False) or chosen per shape group
       (None: on when the long side is ≥ 3× the short one; see `newton_schulz`).
-    mesh, data_axis: with a mesh, every matrix is orthogonalized whole on one device
-      and the matrices are dealt over all devices, balanced by flops (see
-      `muon_optax._sharded_ns`); results equal the single-device ones.
+    mesh, data_axis: with a mesh, the matrices are dealt over all devices, balanced by
+      flops, in one packed exchange there and one back; each is orthogonalized whole
+      on one device, or split over idle devices when there are fewer matrices than
+      devices (see `muon_optax._sharded_ns`); results equal the single-device ones.
 
   Returns:
     A stateless `optax.GradientTransformation`.
