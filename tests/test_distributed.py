@@ -10,6 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
+from muon_optax._packed_gather import packed_gather
 from muon_optax._sharded_ns import layout_of, per_device_flops, plan_rounds
 
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
@@ -244,3 +245,32 @@ def test_collective_stats_counts_the_bytes_each_device_receives():
   assert stats["all-gather"] == (1, block)  # 2 blocks result, 1 received
   assert stats["collective-permute"] == (1, block)
   assert stats["all-to-all"] == (1, block * 7 // 8)  # all but its own eighth
+
+
+def packed_adam():
+  return optax.chain(mo.AuxAdam(1e-2, backend="optax").transform(), packed_gather())
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_packed_gather_matches_single_device(layout):
+  mesh, params = mesh_of(), small_tree()
+  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
+            else mo.fsdp_shardings(params, mesh))
+  tx = lambda mesh=None: mo.muon(0.05, weight_decay=0.01, mesh=mesh, adam=packed_adam())
+  want_p, _ = run_steps(tx(), params, 5)
+  got_p, _ = run_steps(tx(mesh), params, 5, (mesh, pshard))
+  assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
+
+
+def test_packed_gather_gathers_every_adam_update_at_once():
+  # Biases and norms of 2 GPT-2 blocks: ZeRO-1 gathers each AdamW update on its own,
+  # unless packed_gather packs them.
+  params, mesh, d = gpt2_small_tree(layers=2, d=128), mesh_of(), 128
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  for block in params.values():
+    block["attn"]["qkv"]["bias"], block["mlp"]["fc"]["bias"] = s(3 * d), s(4 * d)
+    block["ln"] = {"scale": s(d), "bias": s(d)}
+  count = lambda tx: sum(c for c, _ in mo.collective_stats(
+      compiled_update(tx, params, mesh, "zero1").as_text()).values())
+  assert count(mo.muon(0.02, mesh=mesh, adam=mo.AuxAdam(backend="optax"))) >= 1 + 8
+  assert count(mo.muon(0.02, mesh=mesh, adam=packed_adam())) <= 3
