@@ -98,26 +98,24 @@ def gather_together(xs: list[jax.Array]) -> list[jax.Array]:
   return identity(list(xs))
 
 
-def packed_gather() -> optax.GradientTransformation:
-  """Stateless transform: the updates unchanged, with the replicated ones that come
-  from split state gathered in a single collective (see `gather_together`).
-
-  Chain it after a branch whose state is split but whose params are replicated
-  (ZeRO-1), e.g. the AdamW branch of `muon`:
+def with_packed_gather(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """`inner` with its updates passed through `gather_together`: under ZeRO-1 the
+  updates of its split state reach the replicated params in one all-gather. The
+  state is `inner`'s, unchanged, so checkpoints and state conversions are unaffected.
 
   Example:
-    >>> import optax, muon_optax as mo
-    >>> from muon_optax._packed_gather import packed_gather
-    >>> adam = optax.chain(mo.AuxAdam(1e-3).transform(), packed_gather())
-    >>> tx = mo.muon(0.02, adam=adam)
+    >>> import muon_optax as mo
+    >>> from muon_optax._packed_gather import with_packed_gather
+    >>> tx = mo.muon(0.02, adam=with_packed_gather(mo.AuxAdam(1e-3).transform()))
   """
+  inner = optax.with_extra_args_support(inner)
 
-  def update_fn(updates: Any, state, params=None):
-    del params
+  def update_fn(updates: Any, state, params=None, **extra_args):
+    updates, state = inner.update(updates, state, params, **extra_args)
     leaves, treedef = jax.tree.flatten(updates)
     arrays = [i for i, x in enumerate(leaves) if getattr(x, "ndim", 0) >= 1]
     for i, x in zip(arrays, gather_together([leaves[i] for i in arrays])):
       leaves[i] = x
     return jax.tree.unflatten(treedef, leaves), state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)

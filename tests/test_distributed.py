@@ -10,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
-from muon_optax._packed_gather import packed_gather
+from muon_optax._packed_gather import with_packed_gather
 from muon_optax._sharded_ns import layout_of, per_device_flops, plan_rounds
 
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
@@ -248,7 +248,7 @@ def test_collective_stats_counts_the_bytes_each_device_receives():
 
 
 def packed_adam():
-  return optax.chain(mo.AuxAdam(1e-2, backend="optax").transform(), packed_gather())
+  return with_packed_gather(mo.AuxAdam(1e-2, backend="optax").transform())
 
 
 @pytest.mark.parametrize("layout", ["zero1", "fsdp"])
@@ -257,9 +257,13 @@ def test_packed_gather_matches_single_device(layout):
   pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
             else mo.fsdp_shardings(params, mesh))
   tx = lambda mesh=None: mo.muon(0.05, weight_decay=0.01, mesh=mesh, adam=packed_adam())
-  want_p, _ = run_steps(tx(), params, 5)
-  got_p, _ = run_steps(tx(mesh), params, 5, (mesh, pshard))
+  want_p, want_s = run_steps(tx(), params, 5)
+  got_p, got_s = run_steps(tx(mesh), params, 5, (mesh, pshard))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
+  # The state is the AdamW transform's own: same structure as without the wrapper.
+  plain = mo.muon(0.05, mesh=mesh, adam=mo.AuxAdam(1e-2, backend="optax")).init(params)
+  assert jax.tree.structure(got_s) == jax.tree.structure(plain)
+  assert_trees_close(got_s, want_s, rtol=0, atol=1e-5)
 
 
 def test_packed_gather_gathers_every_adam_update_at_once():
