@@ -268,13 +268,16 @@ def test_packed_gather_matches_single_device(layout):
 
 def test_packed_gather_gathers_every_adam_update_at_once():
   # Biases and norms of 2 GPT-2 blocks: ZeRO-1 gathers each AdamW update on its own,
-  # unless packed_gather packs them.
+  # unless with_packed_gather packs them.
   params, mesh, d = gpt2_small_tree(layers=2, d=128), mesh_of(), 128
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  for block in params.values():
-    block["attn"]["qkv"]["bias"], block["mlp"]["fc"]["bias"] = s(3 * d), s(4 * d)
-    block["ln"] = {"scale": s(d), "bias": s(d)}
-  count = lambda tx: sum(c for c, _ in mo.collective_stats(
-      compiled_update(tx, params, mesh, "zero1").as_text()).values())
-  assert count(mo.muon(0.02, mesh=mesh, adam=mo.AuxAdam(backend="optax"))) >= 1 + 8
-  assert count(mo.muon(0.02, mesh=mesh, adam=packed_adam())) <= 3
+  small = {k: {"qkv_bias": s(3 * d), "fc_bias": s(4 * d), "ln": {"scale": s(d), "bias": s(d)}}
+           for k in params}
+  count = lambda tx, tree: sum(c for c, _ in mo.collective_stats(
+      compiled_update(tx, tree, mesh, "zero1").as_text()).values())
+  adam = mo.AuxAdam(backend="optax").transform()
+  assert count(adam, small) >= 8
+  assert count(with_packed_gather(adam), small) == 1
+  for name, block in params.items():
+    block.update(small[name])
+  assert count(mo.muon(0.02, mesh=mesh, adam=packed_adam()), params) <= 3
