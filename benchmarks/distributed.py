@@ -125,7 +125,7 @@ def main():
               f"{r['collectives']:>11} {r['collective_bytes'] / 1e6:>9.1f} {least / 1e6:>10.1f} "
               f"{r['collective_bytes'] / least if least else 0:>6.2f} {r['state_bytes'] / 1e6:>15.1f}")
         if n == max(args.devices) and name.startswith("muon_optax"):
-          print(f"{'':<10} muon_optax collectives: {r['detail']}")
+          print(f"{'':<10} {name} collectives: {r['detail']}")
   print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
   print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "
         "every Muon element to its owner and back once (ZeRO-1: back = the whole update to every "
