@@ -1,10 +1,15 @@
 """Distributed Muon vs optax.contrib.muon under the same sharding: per-device flops,
-collectives and optimizer-state bytes on a GPT-2-small-shaped tree.
+collectives, the bytes they move and optimizer-state bytes on a GPT-2-small-shaped tree.
 
-    python benchmarks/distributed.py [--layers 12] [--devices 1 2 4 8]
+    python -m benchmarks.distributed [--layers 12] [--devices 1 2 4 8] [--biases]
 
 Everything here is read from compiled programs (XLA cost analysis, collectives in the
-HLO text) and array shards, not timed: the figures are deterministic. Both optimizers
+HLO text) and array shards, not timed: the figures are deterministic. Collective
+bytes are those one device receives from the others (`mo.collective_stats`); the
+minimal bytes are those of moving every Muon element to its owner and back once,
+2 (n−1)/n × (Muon bytes / n); under ZeRO-1 (replicated params) the way back is
+instead every device receiving the updates it did not compute: (n−1)/n × (Muon
+bytes / n) + (n−1)/n × (all update bytes). Both optimizers
 get the same routing (hidden matrices to Muon, the embedding to AdamW), the same
 params layout (ZeRO-1: replicated; FSDP: split along "data") and the state layout of
 `mo.state_shardings`. Meshes use Auto axes: optax.contrib.muon fails on Explicit ones.
@@ -30,11 +35,18 @@ import muon_optax as mo  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 
 
-def gpt2_small_tree(layers: int, d: int = 768, vocab: int = 50304) -> dict:
+def gpt2_small_tree(layers: int, d: int = 768, vocab: int = 50304, biases: bool = False) -> dict:
+  """Kernels and the embedding; with `biases`, GPT-2's biases and LayerNorms too."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   blocks = {str(i): {"attn": {"qkv": {"kernel": s(d, 3 * d)}, "proj": {"kernel": s(d, d)}},
                      "mlp": {"fc": {"kernel": s(d, 4 * d)}, "fc_proj": {"kernel": s(4 * d, d)}}}
             for i in range(layers)}
+  for block in blocks.values() if biases else ():
+    for (module, layer), width in zip(sorted((m, l) for m in block for l in block[m]),
+                                      (d, 3 * d, 4 * d, d)):  # attn/proj, attn/qkv, mlp/fc, mlp/fc_proj
+      block[module][layer]["bias"] = s(width)
+    block["ln1"] = {"scale": s(d), "bias": s(d)}
+    block["ln2"] = {"scale": s(d), "bias": s(d)}
   return {"embed": {"embedding": s(vocab, d)}, "blocks": blocks}
 
 
@@ -50,6 +62,15 @@ def layout(params, mesh, kind: str):
                else mo.fsdp_shardings(params, mesh))
   return jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
                       params, shardings)
+
+
+def minimal_bytes(params, mesh, kind: str) -> float:
+  n = mesh.size
+  size = lambda leaves: sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+  labels = jax.tree.leaves(mo.label_params(params))
+  muon = size([x for x, l in zip(jax.tree.leaves(params), labels) if l == "muon"])
+  back = (n - 1) / n * (size(jax.tree.leaves(params)) if kind == "zero1" else muon / n)
+  return (n - 1) / n * muon / n + back
 
 
 def measure(tx, params, mesh):
@@ -72,12 +93,14 @@ def main():
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--layers", type=int, default=12)
   p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
+  p.add_argument("--biases", action="store_true", help="add GPT-2's biases and LayerNorms")
   args = p.parse_args()
-  params = gpt2_small_tree(args.layers)
-  print(f"GPT-2-small-shaped tree, {args.layers} layers, {MAX_DEVICES} simulated CPU devices; "
-        f"{machine()}")
+  params = gpt2_small_tree(args.layers, biases=args.biases)
+  print(f"GPT-2-small-shaped tree, {args.layers} layers{', with biases and LayerNorms' * args.biases}, "
+        f"{MAX_DEVICES} simulated CPU devices; {machine()}")
   header = (f"{'layout':<6} {'dev':>3} {'optimizer':<18} {'GFLOP/device':>12} {'vs 1/n':>7} "
-            f"{'collectives':>11} {'coll. MB':>9} {'state MB/device':>15}")
+            f"{'collectives':>11} {'coll. MB':>9} {'minimal MB':>10} {'× min':>6} "
+            f"{'state MB/device':>15}")
   print(header + "\n" + "-" * len(header))
   single = {}
   for kind in ("zero1", "fsdp"):
@@ -85,7 +108,9 @@ def main():
       mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
                            axis_types=(jax.sharding.AxisType.Auto,))
       placed = layout(params, mesh, kind)
-      arms = {"muon_optax": mo.muon(0.02, mesh=mesh, adam=mo.AuxAdam(backend="optax")),
+      least = minimal_bytes(params, mesh, kind)
+      adam = mo.AuxAdam(backend="optax")
+      arms = {"muon_optax": mo.muon(0.02, mesh=mesh, adam=adam),
               "optax.contrib.muon": optax.contrib.muon(
                   0.02, muon_weight_dimension_numbers=contrib_dimension_numbers)}
       for name, tx in arms.items():
@@ -94,10 +119,15 @@ def main():
           single[name] = r["flops"]
         ideal = single.get(name, r["flops"] * n) / n
         print(f"{kind:<6} {n:>3} {name:<18} {r['flops'] / 1e9:>12.1f} {r['flops'] / ideal:>7.3f} "
-              f"{r['collectives']:>11} {r['collective_bytes'] / 1e6:>9.1f} "
-              f"{r['state_bytes'] / 1e6:>15.1f}")
+              f"{r['collectives']:>11} {r['collective_bytes'] / 1e6:>9.1f} {least / 1e6:>10.1f} "
+              f"{r['collective_bytes'] / least if least else 0:>6.2f} {r['state_bytes'] / 1e6:>15.1f}")
+        if n == max(args.devices) and name.startswith("muon_optax"):
+          print(f"{'':<10} {name} collectives: {r['detail']}")
   print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
-  print("Both route the same leaves: hidden matrices to Muon, the embedding to AdamW.")
+  print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "
+        "every Muon element to its owner and back once (ZeRO-1: back = the whole update to every "
+        "device).")
+  print("All route the same leaves: hidden matrices to Muon, everything else to AdamW.")
 
 
 if __name__ == "__main__":

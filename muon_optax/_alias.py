@@ -16,6 +16,7 @@ from muon_optax._matrix_view import ViewFn
 from muon_optax._momentum import scale_by_muon_momentum
 from muon_optax._newton_schulz import Schedule
 from muon_optax._orthogonalize import orthogonalize
+from muon_optax._packed_gather import with_packed_gather
 from muon_optax._scaling import scale_by_shape
 
 ScalarOrSchedule = Union[ArrayLike, Callable[[ArrayLike], ArrayLike]]
@@ -211,9 +212,12 @@ def muon(
       raise ValueError("adam_learning_rate= applies to AuxAdam settings, not to a custom adam "
                        "transform: give that transform its own learning rate.")
     adam = dataclasses.replace(adam, learning_rate=adam_learning_rate)
+  adam_branch = adam.transform() if isinstance(adam, AuxAdam) else adam
+  if mesh is not None:  # ZeRO-1: the AdamW updates gathered in one collective, not per leaf
+    adam_branch = with_packed_gather(adam_branch)
   transforms = {
       _routing.MUON: muon_branch,
-      _routing.ADAM: adam.transform() if isinstance(adam, AuxAdam) else adam,
+      _routing.ADAM: adam_branch,
       _routing.FROZEN: optax.set_to_zero(),
   }
 

@@ -71,13 +71,20 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array]) -> Solver:
   return solve
 
 
-def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver) -> Any:
+def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any = None) -> Any:
   """Sees every Muon leaf as a stack of wide matrices, orthogonalizes all of them with
-  `solver`, and puts each result back in its leaf's layout."""
+  `solver`, and puts each result back in its leaf's layout. With `like` (the params),
+  the solver also gets their stacks, whose layout the results should take."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_paths.is_masked)
   wides = {i: _to_wide(leaf, matrix_view_of(views, _paths.path_str(path), leaf))
            for i, (path, leaf) in enumerate(flat) if not _paths.is_masked(leaf)}
-  results = solver([w.stack for w in wides.values()])
+  stacks = [w.stack for w in wides.values()]
+  leaves = [] if like is None else jax.tree_util.tree_leaves(like, is_leaf=_paths.is_masked)
+  if like is not None and len(leaves) == len(flat) and all(
+      getattr(leaves[i], "shape", None) == flat[i][1].shape for i in wides):
+    results = solver(stacks, [_to_wide(leaves[i], w.view).stack for i, w in wides.items()])
+  else:
+    results = solver(stacks)
   out = [leaf for _, leaf in flat]
   for (i, wide), result in zip(wides.items(), results):
     out[i] = _from_wide(result, wide, flat[i][1].shape)
@@ -109,9 +116,10 @@ def orthogonalize(
     compute_dtype: dtype of the iteration (float32 by default).
     gram: Gram-space iteration on (True), off (False) or chosen per shape group
       (None: on when the long side is ≥ 3× the short one; see `newton_schulz`).
-    mesh, data_axis: with a mesh, every matrix is orthogonalized whole on one device
-      and the matrices are dealt over all devices, balanced by flops (see
-      `muon_optax._sharded_ns`); results equal the single-device ones.
+    mesh, data_axis: with a mesh, the matrices are dealt over all devices, balanced by
+      flops, in one packed exchange there and one back; each is orthogonalized whole
+      on one device, or split over idle devices when there are fewer matrices than
+      devices (see `muon_optax._sharded_ns`); results equal the single-device ones.
 
   Returns:
     A stateless `optax.GradientTransformation`.
@@ -126,10 +134,12 @@ def orthogonalize(
   views = view_fn(views, per_head)
   ns_fn = lambda stack: newton_schulz(stack, ns=ns, steps=ns_steps, compute_dtype=compute_dtype,
                                      gram=gram)
-  solver = grouped_solver(ns_fn) if mesh is None else sharded_solver(ns_fn, mesh, data_axis)
+  solver = (grouped_solver(ns_fn) if mesh is None else
+            sharded_solver(ns_fn, mesh, data_axis, ns=ns, steps=ns_steps,
+                           compute_dtype=compute_dtype))
 
   def update_fn(updates, state, params=None):
-    del params
-    return orthogonalize_leaves(updates, views, solver), state
+    like = params if mesh is not None else None  # on a mesh, results laid out like params
+    return orthogonalize_leaves(updates, views, solver, like), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

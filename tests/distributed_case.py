@@ -1,11 +1,12 @@
-"""The small training case shared by the multi-process worker and its test."""
+"""The small training case shared by the multi-process worker and its test: four Muon
+matrices for eight devices, so the exchange also splits matrices between devices."""
 
 import jax
 import jax.numpy as jnp
 
 import muon_optax as mo
 
-STEPS = 3
+STEPS = 5
 
 
 def make_params():
@@ -13,7 +14,7 @@ def make_params():
   return {"embed": {"embedding": jax.random.normal(ks[0], (64, 32))},
           "fc": {"kernel": jax.random.normal(ks[1], (32, 128)) * 0.1, "bias": jnp.zeros(128)},
           "proj": {"kernel": jax.random.normal(ks[2], (128, 32)) * 0.1},
-          "sq": {"kernel": jax.random.normal(ks[3], (4, 32, 32)) * 0.1}}
+          "sq": {"kernel": jax.random.normal(ks[3], (2, 32, 32)) * 0.1}}
 
 
 def grads_at(step, params):
