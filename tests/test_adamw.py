@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from adamw_case import MASK, adam_state, arm, hundred_steps, make_params, make_tx
-from conftest import assert_trees_close
+from _helpers import assert_trees_close
 
 import muon_optax as mo
 

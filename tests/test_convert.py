@@ -9,7 +9,7 @@ import optax
 import pytest
 from adamw_case import (D, HIDDEN, adam_state, arm, arms_step, make_params, make_tx, run_arms,
                         three_steps)
-from conftest import assert_trees_close
+from _helpers import assert_trees_close
 
 import muon_optax as mo
 

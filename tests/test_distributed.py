@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close
+from _helpers import assert_trees_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from conftest import assert_trees_close
+from _helpers import assert_trees_close
 from flax import nnx
 from flax.training import train_state
 

@@ -16,6 +16,8 @@ import muon_optax as mo
 
 HERE = Path(__file__).parent
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
+
 
 def free_port():
   with socket.socket() as s:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close
+from _helpers import assert_trees_close
 
 import muon_optax as mo
 

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import muon_optax as mo
-from conftest import assert_trees_close
+from _helpers import assert_trees_close
 from muon_optax.nnx import ClipAttention, head_max_logits, max_logit_attention, max_logits
 
 D, H, HD, L, B = 16, 4, 8, 6, 8

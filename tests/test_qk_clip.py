@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import muon_optax as mo
-from conftest import assert_trees_close
+from _helpers import assert_trees_close
 
 D, H, HD, L, B = 16, 4, 8, 6, 8
 

@@ -10,6 +10,8 @@ import pytest
 
 from examples import stdlib_text, train_gpt
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
+
 # A real but small corner of the standard library keeps the data loading quick.
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32",
         "--batch", "8", "--eval-batches", "2", "--no-progress",
