@@ -5,7 +5,7 @@ collectives, the bytes they move and optimizer-state bytes on a GPT-2-small-shap
 
 Everything here is read from compiled programs (XLA cost analysis, collectives in the
 HLO text) and array shards, not timed: the figures are deterministic. Collective
-bytes are those one device receives from the others (`mo.collective_stats`); the
+bytes are those one device receives from the others (`benchmarks.hlo.collective_stats`); the
 minimal bytes are those of moving every Muon element to its owner and back once,
 2 (n−1)/n × (Muon bytes / n); under ZeRO-1 (replicated params) the way back is
 instead every device receiving the updates it did not compute: (n−1)/n × (Muon
@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
+from benchmarks.hlo import collective_stats  # noqa: E402
 
 
 def gpt2_small_tree(layers: int, d: int = 768, vocab: int = 50304, biases: bool = False) -> dict:
@@ -79,7 +80,7 @@ def measure(tx, params, mesh):
                        jax.eval_shape(tx.init, params), shardings)
   out = (jax.tree.map(lambda p: p.sharding, params), shardings)
   compiled = jax.jit(tx.update, out_shardings=out).lower(params, state, params).compile()
-  stats = mo.collective_stats(compiled.as_text())
+  stats = collective_stats(compiled.as_text())
   state_bytes = sum(math.prod(h.shard_shape(s.shape)) * s.dtype.itemsize
                     for s, h in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)))
   return {"flops": compiled.cost_analysis()["flops"],

@@ -1,9 +1,8 @@
 """muon_optax: Muon (momentum orthogonalized by Newton–Schulz) as composable Optax transforms."""
 
-from muon_optax._adamw import BACKENDS, OffloadAdamState, ReferenceAdamState, adamw
+from muon_optax._adamw import BACKENDS, adamw
 from muon_optax._alias import AuxAdam, muon, scale_by_muon
 from muon_optax._convert import convert_adam_state
-from muon_optax._hlo import collective_stats
 from muon_optax._matrix_view import MatrixView, default_view, from_matrices, to_matrices
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._offload import offload_state
@@ -11,7 +10,7 @@ from muon_optax._newton_schulz import (
     PRESETS, gram_newton_schulz_flops, newton_schulz, newton_schulz_flops)
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
-from muon_optax._routing import (DEFAULT_RULES, Routing, default_rule, describe, label_params,
+from muon_optax._routing import (DEFAULT_RULES, Routing, describe, label_params,
                                  newton_schulz_cost)
 from muon_optax._trace_routing import infer_routing
 from muon_optax._scaling import scale_by_shape
@@ -36,14 +35,10 @@ __all__ = [
     "DEFAULT_RULES",
     "MatrixView",
     "MuonMomentumState",
-    "OffloadAdamState",
     "PRESETS",
-    "ReferenceAdamState",
     "Routing",
     "adamw",
     "convert_adam_state",
-    "collective_stats",
-    "default_rule",
     "default_view",
     "describe",
     "from_matrices",

@@ -12,6 +12,7 @@ from adamw_case import (D, HIDDEN, adam_state, arm, arms_step, make_params, make
 from _helpers import assert_trees_close
 
 import muon_optax as mo
+from muon_optax._adamw import ReferenceAdamState
 
 
 @pytest.mark.parametrize("source", mo.BACKENDS)
@@ -47,7 +48,7 @@ def test_conversion_inside_a_chain_standalone_and_any_partition():
   moments = state[1].inner_states["adam"].inner_state.mu
   assert moments["norm"]["scale"].sharding.memory_kind == "device"
   converted = mo.convert_adam_state(mo.adamw(1e-3).init(params), params, "reference")
-  assert isinstance(converted, mo.ReferenceAdamState)
+  assert isinstance(converted, ReferenceAdamState)
   assert converted.mu["mlp_in"]["kernel"].shape == (D, HIDDEN)
   labels = jax.tree.map(lambda p: "vec" if p.ndim == 1 else "mat", params)
   part = optax.partition(

@@ -10,6 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
+from benchmarks.hlo import collective_stats
 from muon_optax._packed_gather import with_packed_gather
 from muon_optax._sharded_ns import layout_of, per_device_flops, plan_rounds
 
@@ -162,7 +163,7 @@ def test_gpt2_small_update_in_a_few_collectives(kind, most):
   sharded = compiled_update(mo.muon(0.02, mesh=mesh), params, mesh, kind)
   per_device = sharded.cost_analysis()["flops"]
   assert per_device <= 1.15 * single / n, (per_device, single / n)
-  stats = mo.collective_stats(sharded.as_text())
+  stats = collective_stats(sharded.as_text())
   assert sum(c for c, _ in stats.values()) <= most, stats
   # Minimal bytes: every Muon element moves to its owner and back once; with
   # replicated params, back means every device receives the updates it did not compute.
@@ -175,7 +176,7 @@ def test_gpt2_small_update_in_a_few_collectives(kind, most):
 def test_explicit_mesh_update_in_a_few_collectives(kind, most):
   # On Explicit axes the results take the params' layout: ZeRO-1 gathers once, not per leaf.
   params, mesh = gpt2_small_tree(layers=2, d=128), mesh_of(types=EXPLICIT)
-  stats = mo.collective_stats(compiled_update(mo.muon(0.02, mesh=mesh), params, mesh,
+  stats = collective_stats(compiled_update(mo.muon(0.02, mesh=mesh), params, mesh,
                                               kind).as_text())
   assert sum(c for c, _ in stats.values()) <= most, stats
 
@@ -192,15 +193,15 @@ def test_one_layer_per_device_flops_at_most_optax_contrib_muons(kind):
 
 def test_no_collective_inside_the_iterations():
   params, mesh = gpt2_small_tree(layers=2, d=128), mesh_of()
-  stats = [mo.collective_stats(compiled_update(mo.muon(0.02, ns_steps=k, mesh=mesh),
+  stats = [collective_stats(compiled_update(mo.muon(0.02, ns_steps=k, mesh=mesh),
                                                params, mesh).as_text()) for k in (2, 7)]
   assert stats[0] == stats[1]
 
 
 def test_fewer_collective_bytes_than_optax_contrib_muon():
   params, mesh = gpt2_small_tree(layers=2, d=128), mesh_of()
-  ours = mo.collective_stats(compiled_update(mo.muon(0.02, mesh=mesh), params, mesh).as_text())
-  theirs = mo.collective_stats(compiled_update(optax.contrib.muon(0.02), params, mesh).as_text())
+  ours = collective_stats(compiled_update(mo.muon(0.02, mesh=mesh), params, mesh).as_text())
+  theirs = collective_stats(compiled_update(optax.contrib.muon(0.02), params, mesh).as_text())
   total = lambda stats: sum(b for _, b in stats.values())
   assert total(ours) < total(theirs), (ours, theirs)
   assert sum(n for n, _ in ours.values()) < sum(n for n, _ in theirs.values())
@@ -239,7 +240,7 @@ def test_collective_stats_counts_the_bytes_each_device_receives():
                                jax.lax.ppermute(x, "a", [(0, 1), (1, 0)]),
                                jax.lax.all_to_all(x, ("a", "b"), 0, 0, tiled=True)),
                     mesh=mesh, in_specs=P("a", "b"), out_specs=(P("a", "b"),) * 4)
-  stats = mo.collective_stats(jax.jit(f).lower(x).compile().as_text())
+  stats = collective_stats(jax.jit(f).lower(x).compile().as_text())
   block = 16 * 32 * 4
   assert stats["all-reduce"] == (1, 2 * block * 3 // 4)  # ring over 4 devices
   assert stats["all-gather"] == (1, block)  # 2 blocks result, 1 received
@@ -271,7 +272,7 @@ def test_packed_gather_gathers_every_adam_update_at_once():
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   small = {k: {"qkv_bias": s(3 * d), "fc_bias": s(4 * d), "ln": {"scale": s(d), "bias": s(d)}}
            for k in params}
-  count = lambda tx, tree: sum(c for c, _ in mo.collective_stats(
+  count = lambda tx, tree: sum(c for c, _ in collective_stats(
       compiled_update(tx, tree, mesh, "zero1").as_text()).values())
   adam = mo.AuxAdam(backend="optax").transform()
   assert count(adam, small) >= 8

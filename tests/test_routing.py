@@ -211,7 +211,7 @@ def test_attention_out_kernel_is_recognized_wherever_the_module_sits():
     ("blocks/0/post_attention_layernorm/weight", "adam"), ("lnx/kernel", "muon"),
 ])
 def test_name_rules_match_whole_path_components(path, label):
-  assert mo.default_rule(path, jnp.zeros((4, 4))) == label
+  assert mo.DEFAULT_RULES[0](path, jnp.zeros((4, 4))) == label
 
 
 def test_name_rules_see_any_rank_4_leaf_as_a_conv_kernel():
