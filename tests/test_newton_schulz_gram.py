@@ -18,18 +18,19 @@ BANDS = {"jordan": (3e-3, 0.68, 1.21), "polar_express": (1e-3, 0.84, 1.13)}
 
 
 def with_spectrum(shape, low, seed):
-  """A float32 matrix with singular values log-spaced from 1 down to `low`."""
+  """A float32 stack with singular values log-spaced from 1 down to `low`."""
   rng = np.random.default_rng(seed)
-  m, n = shape
+  *batch, m, n = shape
   k = min(m, n)
-  u, _ = np.linalg.qr(rng.standard_normal((m, k)))
-  v, _ = np.linalg.qr(rng.standard_normal((n, k)))
-  return jnp.asarray((u * np.logspace(0, np.log10(low), k)) @ v.T, jnp.float32)
+  u, _ = np.linalg.qr(rng.standard_normal((*batch, m, k)))
+  v, _ = np.linalg.qr(rng.standard_normal((*batch, n, k)))
+  s = np.logspace(0, np.log10(low), k)
+  return jnp.asarray((u * s) @ np.swapaxes(v, -1, -2), jnp.float32)
 
 
-def inputs(shape=(32, 128)):
-  return {"random": jax.random.normal(jax.random.key(0), shape),
-          "ill-conditioned": with_spectrum(shape, 1e-6, seed=1)}
+def inputs(shape=(32, 128), seed=0):
+  return {"random": jax.random.normal(jax.random.key(seed), shape),
+          "ill-conditioned": with_spectrum(shape, 1e-6, seed=seed + 1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,42 +41,71 @@ def ns_fn(ns, gram, compute_dtype="float32"):
 
 
 def reference(x, ns):
-  """The same polynomial in float64 numpy (wide orientation)."""
+  """The same polynomial in float64 numpy (wide orientation), matrix by matrix."""
   coeffs, safety = coefficient_schedule(ns, 5)
   x = np.asarray(x, np.float64)
-  tall = x.shape[0] > x.shape[1]
-  x = x.T if tall else x
-  x = x / (np.linalg.norm(x) * safety)
+  tall = x.shape[-2] > x.shape[-1]
+  x = np.swapaxes(x, -1, -2) if tall else x
+  x = x / (np.linalg.norm(x, axis=(-2, -1), keepdims=True) * safety)
   for a, b, c in coeffs:
-    g = x @ x.T
+    g = x @ np.swapaxes(x, -1, -2)
     x = a * x + (b * g + c * g @ g) @ x
-  return x.T if tall else x
+  return np.swapaxes(x, -1, -2) if tall else x
+
+
+def polar(x):
+  u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
+  return u @ vt
 
 
 def rel(a, b):
-  return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+  """Relative Frobenius distance of each matrix of a stack, as an array."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b, axis=(-2, -1)) / np.linalg.norm(b, axis=(-2, -1))
+
+
+def float32_bound(ns, steps=5):
+  """A priori relative error of a float32 evaluation of the polynomial: each step
+  rounds at ~eps32 and later steps amplify perturbations by at most ~|a| each."""
+  coeffs, _ = coefficient_schedule(ns, steps)
+  return steps * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))
 
 
 def singular_values(x):
   return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
 
 
+def assert_meets_criterion(out, standard, x, ns, name):
+  """The accuracy criterion: singular values in the preset's band, polar error at most
+  1.05x the standard float32 iteration's (U Vᵀ from a float64 SVD)."""
+  floor, low, high = BANDS[ns]
+  s_in = singular_values(x)
+  lifted = s_in / np.linalg.norm(s_in, axis=-1, keepdims=True) >= floor
+  s = singular_values(out)
+  assert s[lifted].min() > low and s.max() < high, (name, s.min(), s.max())
+  p = polar(x)
+  assert np.all(rel(out, p) <= 1.05 * rel(standard, p)), (name, rel(out, p), rel(standard, p))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("ns", PRESETS)
-@pytest.mark.parametrize("shape", [(32, 128), (128, 32)])
-def test_gram_equals_standard_in_float32(ns, shape):
-  for name, x in inputs(shape).items():
+@pytest.mark.parametrize("shape", [(64, 256), (2, 64, 256), (2, 256, 64)])
+def test_gram_meets_the_accuracy_criterion_in_float32(ns, shape, seed):
+  for name, x in inputs(shape, seed).items():
     standard, gram = ns_fn(ns, gram=False)(x), ns_fn(ns, gram=True)(x)
-    np.testing.assert_allclose(gram, standard, rtol=0, atol=1e-5, err_msg=name)
-    # Both are float32 evaluations of one polynomial; neither is much further from it.
+    assert_meets_criterion(gram, standard, x, ns, name)
+    # Both are float32 evaluations of one polynomial: each within the a priori bound.
     exact = reference(x, ns)
-    assert rel(gram, exact) < max(2 * rel(standard, exact), 1e-5), name
+    for out in (standard, gram):
+      assert np.all(rel(out, exact) < float32_bound(ns)), (name, rel(out, exact))
 
 
 def test_gram_batched_equals_one_by_one():
   x = jax.random.normal(jax.random.key(2), (3, 16, 64))
   batched = ns_fn("polar_express", gram=True)(x)
   for i in range(3):
-    np.testing.assert_allclose(batched[i], ns_fn("polar_express", gram=True)(x[i]), atol=1e-6)
+    single = ns_fn("polar_express", gram=True)(x[i])
+    assert rel(batched[i], single) < 2 * float32_bound("polar_express")
 
 
 @pytest.mark.parametrize("ns", PRESETS)
@@ -90,16 +120,16 @@ def test_bands_hold_for_gram_in_float32_and_bfloat16(ns):
 
 
 @pytest.mark.parametrize("ns", PRESETS)
-def test_bfloat16_gram_within_documented_tolerance(ns):
-  # Documented: bfloat16 operands move entries by up to ~2e-2 (32×128) from the float32
-  # result, for either variant; Gram stays within 2.5× of the standard bfloat16 error.
+def test_bfloat16_gram_as_accurate_as_bfloat16_standard(ns):
+  # bfloat16 operands (eps 2^-8) put both variants far from the float64 polynomial;
+  # Gram must not be much further than the standard bfloat16 iteration, nor from U Vᵀ.
   for name, x in inputs().items():
-    exact = reference(x, ns)
+    exact, p = reference(x, ns), polar(x)
     standard16 = ns_fn(ns, gram=False, compute_dtype="bfloat16")(x)
     gram16 = ns_fn(ns, gram=True, compute_dtype="bfloat16")(x)
     assert gram16.dtype == jnp.float32
-    np.testing.assert_allclose(gram16, ns_fn(ns, gram=False)(x), atol=3e-2, err_msg=name)
-    assert rel(gram16, exact) < 2.5 * rel(standard16, exact) + 1e-3, name
+    assert rel(gram16, exact) < 2.5 * rel(standard16, exact), name
+    assert rel(gram16, p) <= 1.05 * rel(standard16, p), name
 
 
 def test_bfloat16_input_keeps_its_dtype_and_band():
@@ -118,7 +148,7 @@ def test_gram_zero_scale_invariance_and_no_nan(ns):
   for k in (1e-30, 1e-20, 1e-8, 1e8, 1e20, 1e30):
     out = f(x * k)
     assert np.all(np.isfinite(out)), k
-    np.testing.assert_allclose(out, ref, atol=2e-5, err_msg=f"scale {k}")
+    assert np.all(rel(out, ref) < 2 * float32_bound(ns)), k
   assert np.array_equal(f(jnp.zeros((2, 12, 48))), np.zeros((2, 12, 48)))
   finfo = np.finfo(np.float32)
   for degenerate in (jnp.outer(jnp.arange(1.0, 13.0), jnp.ones(48)),  # rank one
@@ -189,7 +219,8 @@ def test_gram_option_reaches_orthogonalize_scale_by_muon_and_muon():
   for gram in (True, False):
     tx = mo.orthogonalize("jordan", gram=gram)
     out, _ = jax.jit(tx.update)(kernel, tx.init(kernel))
-    np.testing.assert_allclose(out["w"], mo.newton_schulz(kernel["w"], gram=gram), atol=1e-6)
+    # A one-matrix batch may round differently from the single matrix.
+    assert rel(out["w"], mo.newton_schulz(kernel["w"], gram=gram)) < 2 * float32_bound("jordan")
     direction = mo.scale_by_muon(gram=gram)
     flops["scale_by_muon", gram] = compiled_flops(
         lambda g: direction.update(g, direction.init(g))[0], kernel)
