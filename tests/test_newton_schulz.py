@@ -18,7 +18,7 @@ def singular_values(x):
   return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
 
 
-def float32_bound(ns="jordan", steps=5):
+def float32_bound(ns=mo.newton_schulz.__kwdefaults__["ns"], steps=None):
   """A priori relative error of one float32 evaluation of the polynomial.
 
   Every step rounds at relative size ~eps32, and the later steps amplify a perturbation
@@ -27,7 +27,7 @@ def float32_bound(ns="jordan", steps=5):
   float32 evaluation against float64 on any machine.
   """
   coeffs, _ = coefficient_schedule(ns, steps)
-  return steps * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))
+  return len(coeffs) * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))
 
 
 def rel(a, b):
