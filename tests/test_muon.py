@@ -82,7 +82,8 @@ def flat(tree):
 
 def test_multi_step_equality_with_plain_reference():
   params = make_params()
-  tx = mo.muon(0.05, weight_decay=0.1, adam=mo.AuxAdam(learning_rate=1e-2))
+  tx = mo.muon(0.05, ns="jordan", ns_steps=5, weight_decay=0.1,
+              adam=mo.AuxAdam(learning_rate=1e-2))
   ref = PlainMuonAdamW(0.05, 1e-2, wd=0.1)
   state, ref_params = tx.init(params), flat(params)
   update = jax.jit(tx.update)
@@ -166,7 +167,7 @@ def test_converges_on_a_quadratic():
 
 def test_inject_hyperparams_gives_the_same_results():
   params = make_params()
-  plain = mo.muon(0.03, beta=0.9, weight_decay=0.01)
+  plain = mo.muon(0.03, beta=0.9, weight_decay=0.01, ns_steps=5)
   injected = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(
       learning_rate=0.03, beta=0.9, weight_decay=0.01, ns_steps=5)
   s1, s2 = plain.init(params), injected.init(params)
