@@ -138,6 +138,8 @@ def resolve_precision(precision, backend: Optional[str] = None) -> jax.lax.Preci
   if isinstance(precision, str) and precision == "auto":
     cpu = _backend(backend) == "cpu"
     return jax.lax.Precision.HIGHEST if cpu else jax.lax.Precision.DEFAULT
+  if isinstance(precision, str) and precision.upper() in jax.lax.Precision.__members__:
+    return jax.lax.Precision[precision.upper()]
   try:
     return jax.lax.Precision(precision)
   except (TypeError, ValueError):

@@ -84,7 +84,7 @@ def test_bfloat16_input_gives_bfloat16_output_in_band():
   assert s.min() > 0.6 and s.max() < 1.2, s
 
 
-@pytest.mark.parametrize("ns", ["jordan", "polar_express"])
+@pytest.mark.parametrize("ns", ["jordan", "polar_express", "turbo"])
 def test_scale_invariance_and_zero(ns):
   x = jax.random.normal(jax.random.key(4), (24, 40))
   f = jax.jit(lambda x: mo.newton_schulz(x, ns=ns, steps=5))
@@ -146,3 +146,26 @@ def test_bad_steps_and_inputs():
     mo.newton_schulz(jnp.ones((4, 4), jnp.int32))
   with pytest.raises(ValueError, match=r"\(\.\.\., m, n\)"):
     mo.newton_schulz(jnp.ones(4))
+
+
+def test_auto_dtype_and_precision_follow_the_platform():
+  from muon_optax._ns_plan import newton_schulz_plan
+  cpu = newton_schulz_plan((768, 3072), backend="cpu")
+  assert (cpu.variant, cpu.steps, cpu.precondition) == ("gram", 4, "aol")
+  assert (cpu.compute_dtype, cpu.precision) == ("float32", "HIGHEST")
+  for backend in ("gpu", "tpu"):
+    plan = newton_schulz_plan((768, 3072), backend=backend)
+    # 16-bit operands keep the standard iteration (see use_gram).
+    assert (plan.variant, plan.compute_dtype, plan.precision) == (
+        "standard", "bfloat16", "DEFAULT")
+    assert plan.flops == mo.newton_schulz_flops(768, 3072, 4, gram=False)
+  explicit = newton_schulz_plan((3072, 768), ns="jordan", compute_dtype="float32",
+                                precision="highest", backend="gpu")
+  assert (explicit.variant, explicit.steps, explicit.precondition) == ("gram", 5, "frobenius")
+  assert str(explicit).startswith("gram · 5 steps · frobenius · float32")
+  # On this test's CPU backend "auto" is float32: identical to asking for it.
+  x = jax.random.normal(jax.random.key(7), (16, 48))
+  np.testing.assert_array_equal(mo.newton_schulz(x), mo.newton_schulz(
+      x, compute_dtype="float32", precision="highest"))
+  with pytest.raises(ValueError, match="precision"):
+    mo.newton_schulz(x, precision="bogus")
