@@ -153,8 +153,7 @@ def resolve_precision(precision, backend: Optional[str] = None) -> jax.lax.Preci
 # priori error bound as the standard iteration (benchmarks/results/newton_schulz_gram.txt).
 GRAM_RESTARTS = (2,)
 # With 16-bit operands for R = X Xᵀ and Q X, one restart lets singular values leave
-# the band (jordan: down to 0.55); restarting every 2 steps keeps them within ~0.03.
-# (`gram_restarts`).
+# the band; `gram_restarts` then restarts every 2 steps (same results file).
 # Automatic choice: Gram-space when the long side is at least this many times the short
 # one (the measured crossover; benchmarks/results/newton_schulz_gram.txt).
 GRAM_MIN_ASPECT = 2
