@@ -1,7 +1,7 @@
 """Newton–Schulz throughput and accuracy on GPT-2-small matrix shapes.
 
-For every shape: {jordan, polar_express} × {standard, gram} × {float32, bfloat16
-compute} of `muon_optax.newton_schulz`, and optax.contrib.muon's orthogonalization
+For every shape: {turbo (AOL, 4 steps), jordan, polar_express} × {standard, gram} ×
+{float32, bfloat16 compute} of `muon_optax.newton_schulz`, and optax.contrib.muon's orthogonalization
 (`orthogonalize_via_newton_schulz`, float32, with the jordan coefficients and with our
 5-row polar_express table). Columns:
 
@@ -49,13 +49,15 @@ def arms(shape):
   *batch, m, n = shape
   count = int(np.prod(batch))
   out = {}
-  for ns in ("jordan", "polar_express"):
+  for ns in ("turbo", "jordan", "polar_express"):
+    steps = STEPS if ns != "turbo" else mo.PRESETS[ns].steps
     for gram in (False, True):
       for dtype in ("float32", "bfloat16"):
-        fn = functools.partial(mo.newton_schulz, ns=ns, steps=STEPS, gram=gram,
+        fn = functools.partial(mo.newton_schulz, ns=ns, steps=steps, gram=gram,
                                compute_dtype=dtype)
-        name = f"muon_optax {ns} {'gram' if gram else 'standard'} {dtype}"
-        out[name] = (jax.jit(fn), count * mo.newton_schulz_flops(m, n, STEPS, gram=gram))
+        name = f"muon_optax {ns} ({steps} steps) {'gram' if gram else 'standard'} {dtype}"
+        out[name] = (jax.jit(fn), count * mo.newton_schulz_flops(
+            m, n, steps, gram=gram, compute_dtype=dtype))
   dims = None if not batch else optax.contrib.MuonDimensionNumbers(
       reduction_axis=len(batch), output_axis=len(batch) + 1)
   for ns, coeffs in (("jordan", jnp.asarray(mo.PRESETS["jordan"][0][0])),

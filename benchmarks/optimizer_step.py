@@ -31,6 +31,7 @@ import optax.contrib
 
 import muon_optax as mo
 from benchmarks.common import machine
+from muon_optax._ns_plan import newton_schulz_plan
 
 D, VOCAB, CTX = 768, 50257, 1024
 KERNELS = {"attn/qkv": (D, 3 * D), "attn/proj": (D, D), "mlp/fc": (D, 4 * D),
@@ -62,6 +63,7 @@ def arms(params) -> dict[str, optax.GradientTransformation]:
       lambda p, _: optax.contrib.MuonDimensionNumbers() if is_kernel(p) else None, params)
   adam = mo.AuxAdam(learning_rate=adam_lr, b1=0.9, b2=0.999, eps=1e-8)
   return {
+      "muon_optax.muon (defaults)": mo.muon(lr, adam=adam),
       "muon_optax.muon": mo.muon(lr, ns="jordan", ns_steps=5, adam=adam),
       "muon_optax.muon gram=False": mo.muon(lr, ns="jordan", ns_steps=5, adam=adam, gram=False),
       "optax.contrib.muon": optax.contrib.muon(
@@ -122,6 +124,7 @@ def main() -> None:
   # State of the Muon kernels alone: the same optimizers on the kernels-only tree.
   kernel_dims = jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(), kernels)
   kernel_txs = {
+      "muon_optax.muon (defaults)": mo.muon(0.02, labels=jax.tree.map(lambda _: "muon", kernels)),
       "muon_optax.muon": mo.muon(0.02, labels=jax.tree.map(lambda _: "muon", kernels)),
       "muon_optax.muon gram=False": mo.muon(0.02, labels=jax.tree.map(lambda _: "muon", kernels)),
       "optax.contrib.muon": optax.contrib.muon(0.02, muon_weight_dimension_numbers=kernel_dims),
@@ -129,12 +132,13 @@ def main() -> None:
 
   n_all, n_muon = num_params(params), num_params(kernels)
   base = medians["optax.contrib.muon"]
-  flops = args.layers * sum(mo.newton_schulz_flops(*s, 5) for s in KERNELS.values())
+  flops = args.layers * sum(newton_schulz_plan(s).flops for s in KERNELS.values())
   flops_std = args.layers * sum(mo.newton_schulz_flops(*s, 5, gram=False) for s in KERNELS.values())
   print(f"machine: {machine()}")
   print(f"GPT-2-small tree, {args.layers} layers: {n_all:,} parameters, {n_muon:,} in "
-        f"{4 * args.layers} Muon kernels; Newton–Schulz per step {flops / 1e9:.0f} GFLOP "
-        f"(standard iteration {flops_std / 1e9:.0f}); {args.warmup} warm-up + "
+        f"{4 * args.layers} Muon kernels; Newton–Schulz per step with defaults "
+        f"{flops / 1e9:.0f} GFLOP (jordan standard iteration, 5 steps: {flops_std / 1e9:.0f}); "
+        f"{args.warmup} warm-up + "
         f"{args.steps} timed steps\n")
   print("| optimizer | median step (s) | vs optax.contrib.muon | state B/param (all) "
         "| state B/param (Muon kernels) |")
@@ -143,6 +147,27 @@ def main() -> None:
     all_b = state_bytes(runs[name][1][1]) / n_all
     kernel_b = state_bytes(jax.eval_shape(kernel_txs[name].init, kernels)) / n_muon
     print(f"| {name} | {t:.3f} | {t / base:.2f}× | {all_b:.2f} | {kernel_b:.2f} |")
+  polar_errors(grads)
+
+
+def polar_errors(grads) -> None:
+  """‖O − U Vᵀ‖_F / ‖U Vᵀ‖_F of the orthogonalized layer-0 kernel gradients (U Σ Vᵀ the
+  float64 SVD), for the defaults and for optax.contrib.muon's iteration."""
+  from newton_schulz import optax_orthogonalize
+  jordan = jnp.asarray(mo.PRESETS["jordan"].table[0])
+  fns = {"muon_optax.muon (defaults)": jax.jit(mo.newton_schulz),
+         "muon_optax.muon": jax.jit(lambda g: mo.newton_schulz(g, ns="jordan", steps=5)),
+         "optax.contrib.muon": jax.jit(lambda g: optax_orthogonalize(g, jordan, 5))}
+  print("\n| Muon kernel (layer 0 gradient) | " + " | ".join(fns) + " |")
+  print("|---|" + "--:|" * len(fns))
+  for name in KERNELS:
+    group, leaf = name.split("/")
+    g = grads["h_0"][group][leaf]["kernel"]
+    u, _, vt = np.linalg.svd(np.asarray(g, np.float64), full_matrices=False)
+    polar = u @ vt
+    errs = [np.linalg.norm(np.asarray(f(g), np.float64) - polar) / np.linalg.norm(polar)
+            for f in fns.values()]
+    print(f"| {name} {g.shape[0]}×{g.shape[1]} | " + " | ".join(f"{e:.4f}" for e in errs) + " |")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from jax.typing import ArrayLike
 from muon_optax import _adamw, _offload, _paths, _routing, _validate
 from muon_optax._matrix_view import ViewFn
 from muon_optax._momentum import scale_by_muon_momentum
-from muon_optax._newton_schulz import Schedule
+from muon_optax._newton_schulz import DEFAULT_NS, Schedule
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._packed_gather import with_packed_gather
 from muon_optax._scaling import scale_by_shape
@@ -27,14 +27,15 @@ def scale_by_muon(
     beta: ArrayLike = 0.95,
     *,
     nesterov: bool = True,
-    ns: Schedule = "jordan",
-    ns_steps: int = 5,
+    ns: Schedule = DEFAULT_NS,
+    ns_steps: Optional[int] = None,
     scale: Optional[str] = "jordan",
     mu_dtype: Optional[Any] = None,
     views: Optional[ViewFn] = None,
     per_head: bool = False,
-    compute_dtype: Any = "float32",
+    compute_dtype: Any = "auto",
     gram: Optional[bool] = None,
+    precondition: Optional[str] = None,
     mesh: Optional[Mesh] = None,
     data_axis: str = "data",
 ) -> optax.GradientTransformation:
@@ -56,7 +57,7 @@ def scale_by_muon(
   return optax.chain(
       scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
       orthogonalize(ns, ns_steps, views=views, per_head=per_head, compute_dtype=compute_dtype,
-                    gram=gram, mesh=mesh, data_axis=data_axis),
+                    gram=gram, precondition=precondition, mesh=mesh, data_axis=data_axis),
       scale_by_shape(scale, views=views, per_head=per_head),
   )
 
@@ -107,8 +108,8 @@ def muon(
     *,
     beta: ArrayLike = 0.95,
     nesterov: bool = True,
-    ns: Schedule = "jordan",
-    ns_steps: int = 5,
+    ns: Schedule = DEFAULT_NS,
+    ns_steps: Optional[int] = None,
     scale: Optional[str] = "jordan",
     weight_decay: ArrayLike = 0.0,
     weight_decay_mask: Mask = None,
@@ -120,8 +121,9 @@ def muon(
     labels: _routing.Labels = None,
     views: Optional[ViewFn] = None,
     per_head: bool = False,
-    compute_dtype: Any = "float32",
+    compute_dtype: Any = "auto",
     gram: Optional[bool] = None,
+    precondition: Optional[str] = None,
     mesh: Optional[Mesh] = None,
     data_axis: str = "data",
     routing: Optional[_routing.Routing] = None,
@@ -136,7 +138,8 @@ def muon(
   Args:
     learning_rate: Muon's learning rate or schedule.
     beta, nesterov, mu_dtype: momentum settings (see `scale_by_muon_momentum`).
-    ns, ns_steps: Newton–Schulz preset or (n, 3) schedule, and iterations.
+    ns, ns_steps: Newton–Schulz preset or (n, 3) schedule, and iterations (None: the
+      preset's; the default "turbo" runs 4 after AOL preconditioning).
     scale: "jordan", "moonlight" or None (see `scale_by_shape`).
     weight_decay, weight_decay_mask: decoupled weight decay of the Muon branch.
     adam: `AuxAdam` settings, or any optax transform, for the non-Muon leaves.
@@ -157,9 +160,11 @@ def muon(
       name rules (`DEFAULT_RULES`), which cannot tell a head named like a hidden
       layer (Dense_2, out) from one; `infer_routing` can.
     views, per_head: shorthand: how leaves are seen as matrices (see `default_view`).
-    compute_dtype: dtype of the Newton–Schulz matmul operands (float32 accumulation).
-    gram: Gram-space Newton–Schulz on, off, or None to choose per matrix shape (on
-      when the long side is ≥ 3× the short one; see `newton_schulz`).
+    compute_dtype: dtype of the Newton–Schulz matmul operands (float32 accumulation);
+      "auto" is bfloat16 on GPU/TPU and float32 on CPU.
+    gram: Gram-space Newton–Schulz on, off, or None to choose per matrix shape (see
+      `newton_schulz`).
+    precondition: "frobenius", "aol", or None for the preset's own.
     mesh, data_axis: orthogonalize whole matrices dealt over the mesh's devices,
       balanced by flops, instead of on every device (see `state_shardings` for the
       matching optimizer-state layout).
@@ -196,7 +201,7 @@ def muon(
   muon_branch = optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns=ns, ns_steps=ns_steps, scale=scale,
                     mu_dtype=mu_dtype, views=views, compute_dtype=compute_dtype,
-                    gram=gram, mesh=mesh, data_axis=data_axis),
+                    gram=gram, precondition=precondition, mesh=mesh, data_axis=data_axis),
       optax.add_decayed_weights(weight_decay, branch_mask(weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),
   )

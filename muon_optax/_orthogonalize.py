@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -12,7 +13,9 @@ from jax.sharding import Mesh
 from muon_optax import _paths
 from muon_optax._matrix_view import MatrixView, ViewFn, from_matrices, to_matrices, view_fn
 from muon_optax._sharded_ns import sharded_solver
-from muon_optax._newton_schulz import Schedule, coefficient_schedule, newton_schulz
+from muon_optax._newton_schulz import (
+    DEFAULT_NS, Schedule, coefficient_schedule, newton_schulz, newton_schulz_column_parts,
+    resolve_compute_dtype, resolve_precondition, resolve_steps)
 
 
 def matrix_view_of(views: ViewFn, path: str, leaf: Any) -> MatrixView:
@@ -92,13 +95,15 @@ def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any 
 
 
 def orthogonalize(
-    ns: Schedule = "jordan",
-    ns_steps: int = 5,
+    ns: Schedule = DEFAULT_NS,
+    ns_steps: Optional[int] = None,
     *,
     views: Optional[ViewFn] = None,
     per_head: bool = False,
-    compute_dtype: Any = "float32",
+    compute_dtype: Any = "auto",
     gram: Optional[bool] = None,
+    precondition: Optional[str] = None,
+    ns_fn: Optional[Callable[[jax.Array], jax.Array]] = None,
     mesh: Optional[Mesh] = None,
     data_axis: str = "data",
 ) -> optax.GradientTransformation:
@@ -109,34 +114,59 @@ def orthogonalize(
   empty, so it does not depend on the preset.
 
   Args:
-    ns: a preset name ("jordan", "polar_express") or an (n, 3) coefficient schedule.
-    ns_steps: Newton–Schulz iterations.
+    ns: a preset name ("turbo", "jordan", "polar_express") or an (n, 3) schedule.
+    ns_steps: Newton–Schulz iterations; None takes the preset's.
     views: (path, shape) -> MatrixView | None; None uses `default_view`.
     per_head: with the default views, orthogonalize each attention head on its own.
-    compute_dtype: dtype of the iteration (float32 by default).
-    gram: Gram-space iteration on (True), off (False) or chosen per shape group
-      (None: on when the long side is ≥ 3× the short one; see `newton_schulz`).
+    compute_dtype: matmul operand dtype, or "auto" (bfloat16 on GPU/TPU, float32 on CPU).
+    gram: Gram-space iteration on (True), off (False) or chosen per shape group (None).
+    precondition: "frobenius", "aol", or None for the preset's own.
+    ns_fn: any function from a (count, m, n) stack of wide matrices (m ≤ n) to an
+      array of the same shape, e.g. a Pallas kernel or another polynomial. It replaces
+      the built-in iteration, so `ns`, `ns_steps`, `compute_dtype`, `gram` and
+      `precondition` must then keep their defaults.
     mesh, data_axis: with a mesh, the matrices are dealt over all devices, balanced by
       flops, in one packed exchange there and one back; each is orthogonalized whole
-      on one device, or split over idle devices when there are fewer matrices than
-      devices (see `muon_optax._sharded_ns`); results equal the single-device ones.
+      on one device, or (built-in iteration only) split by columns over idle devices
+      when there are fewer matrices than devices (see `muon_optax._sharded_ns`);
+      results equal the single-device ones.
 
   Returns:
     A stateless `optax.GradientTransformation`.
 
   Example:
-    >>> import jax, muon_optax as mo
+    >>> import jax, jax.numpy as jnp, optax, muon_optax as mo
     >>> tx = mo.orthogonalize("polar_express")
     >>> g = {"w": jax.random.normal(jax.random.key(0), (8, 16))}
     >>> u, _ = tx.update(g, tx.init(g))
+    >>> def polar(x):  # any (..., m, n) -> (..., m, n) function plugs in
+    ...   u, _, vt = jnp.linalg.svd(x, full_matrices=False)
+    ...   return u @ vt
+    >>> u, _ = mo.orthogonalize(ns_fn=polar).update(g, optax.EmptyState())
   """
-  coefficient_schedule(ns, ns_steps)  # fail early on a bad schedule
+  if ns_fn is None:
+    coefficient_schedule(ns, ns_steps)  # fail early on a bad schedule
+    resolve_precondition(ns, precondition)
+    resolve_compute_dtype(compute_dtype)
+    settings = dict(ns=ns, steps=ns_steps, gram=gram, compute_dtype=compute_dtype,
+                    precondition=precondition)
+    ns_fn = functools.partial(newton_schulz, **settings)
+    split_fn = functools.partial(newton_schulz_column_parts, **settings)
+  else:
+    split_fn = None  # a custom function sees whole matrices only
+    if not callable(ns_fn):
+      raise ValueError(f"ns_fn must be a function of a (count, m, n) array, got {ns_fn!r}")
+    given = {"ns": ns is not DEFAULT_NS, "ns_steps": ns_steps is not None,
+             "compute_dtype": not (isinstance(compute_dtype, str) and compute_dtype == "auto"),
+             "gram": gram is not None, "precondition": precondition is not None}
+    if any(given.values()):
+      raise ValueError(
+          f"ns_fn replaces the built-in Newton–Schulz, so {[k for k, v in given.items() if v]} "
+          "would be ignored; pass either ns_fn or those options, not both.")
   views = view_fn(views, per_head)
-  ns_fn = lambda stack: newton_schulz(stack, ns=ns, steps=ns_steps, compute_dtype=compute_dtype,
-                                     gram=gram)
   solver = (grouped_solver(ns_fn) if mesh is None else
-            sharded_solver(ns_fn, mesh, data_axis, ns=ns, steps=ns_steps,
-                           compute_dtype=compute_dtype))
+            sharded_solver(ns_fn, mesh, data_axis, split_fn=split_fn,
+                           steps=5 if split_fn is None else resolve_steps(ns, ns_steps)))
 
   def update_fn(updates, state, params=None):
     like = params if mesh is not None else None  # on a mesh, results laid out like params

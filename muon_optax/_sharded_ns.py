@@ -8,7 +8,7 @@ structure, ‖X‖_F is unchanged); an empty slot is an all-zero matrix, whose r
 Whole matrices need no collective inside the iterations. A round with fewer
 matrices than devices splits each matrix's columns over g devices instead of
 idling them: NS(X) restricted to some columns only needs the whole X Xᵀ, summed
-over the g parts once per step (`split_newton_schulz`).
+over the g parts wherever the iteration forms it (`newton_schulz_column_parts`).
 
 The exchange is a `custom_partitioning` op, so it sees the layouts XLA chose:
 - in: each device cuts its block of every matrix into one piece per owner (a
@@ -32,7 +32,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz import coefficient_schedule, newton_schulz_flops
+from muon_optax._newton_schulz import gram_restarts, newton_schulz_flops, segments, use_gram
 from muon_optax._state_sharding import check_data_axis
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
@@ -50,10 +50,14 @@ class Round(NamedTuple):
 
 
 def split_flops(rows: int, cols: int, split: int, steps: int) -> int:
-  """Per-device flops of the standard iteration on a rows×cols (rows ≤ cols)
-  matrix whose columns are split over `split` devices: X Xᵀ and B X are split,
-  the rows×rows square is not."""
-  return steps * (4 * rows * rows * cols // split + 2 * rows ** 3)
+  """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols)
+  matrix whose columns are split over `split` devices: the products with X (4·rows²·cols
+  per touch of X) are split, the rows×rows work is not."""
+  whole = newton_schulz_flops(rows, cols, steps)
+  touches = (len(segments(steps, gram_restarts("auto", steps))) if use_gram(rows, cols, steps)
+             else steps)
+  on_x = 4 * rows * rows * cols * touches
+  return whole - on_x + on_x // split
 
 
 def _split_of(members, rows, cols, devices, steps, split_ok) -> int:
@@ -171,27 +175,6 @@ def _group_reduce(x, op, g: int, axes, n: int):
   return x
 
 
-def split_newton_schulz(x, g: int, axes, n: int, ns, steps: int, compute_dtype):
-  """The standard Newton–Schulz iteration on column parts of wide matrices, each
-  shared by g consecutive devices: X Xᵀ is summed over the parts, the rest is local
-  (column blocks of NS(X) are NS applied with the whole X Xᵀ)."""
-  coeffs, safety = coefficient_schedule(ns, steps)
-  acc = jnp.promote_types(x.dtype, jnp.float32)
-  cdt = jnp.dtype(compute_dtype)
-  y = x.astype(acc)
-  reduce = lambda v, op: _group_reduce(v, op, g, axes, n)
-  peak = reduce(jnp.max(jnp.abs(y), axis=(-2, -1), keepdims=True), jnp.maximum)
-  y = y / jnp.where(peak > 0, peak, 1)  # as `newton_schulz`: exact for any finite scale
-  norm = jnp.sqrt(reduce(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True), jnp.add)) * safety
-  y = y / jnp.where(norm > 0, norm, 1)
-  mm = lambda a, b: jnp.matmul(a.astype(cdt), b.astype(cdt), precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=acc)
-  for a, b, c in coeffs:
-    gram = reduce(mm(y, jnp.swapaxes(y, -1, -2)), jnp.add)
-    y = a * y + mm(b * gram + c * mm(gram, gram), y)
-  return y.astype(x.dtype)
-
-
 def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
               outs: list[Layout], gather: bool, steps: int):
   """The per-device body: pack, all-to-all, reassemble, Newton–Schulz, send back."""
@@ -199,7 +182,8 @@ def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
 
   def split_ok(item, g):
     i = item[0]
-    return ins[i].block[1] % g == 0 and (gather or outs[i].grid[1] == ins[i].grid[1])
+    return (split_ns is not None and ins[i].block[1] % g == 0
+            and (gather or outs[i].grid[1] == ins[i].grid[1]))
 
   rounds = plan_rounds(shapes, n, steps, split_ok)
   dtype = jnp.result_type(*dtypes)
@@ -313,14 +297,16 @@ def is_explicit(mesh: Mesh) -> bool:
 
 
 def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axis: str, *,
-                   ns="jordan", steps: int = 5, compute_dtype="float32"):
+                   split_fn: Optional[Callable] = None, steps: int = 5):
   """A solver for `orthogonalize_leaves` that runs `ns_fn` on whole matrices dealt
   over the mesh, with one packed exchange in and one out (see the module doc).
-  `ns`, `steps` and `compute_dtype` (those of `ns_fn`) drive the matrices split
-  over several devices, which run the standard iteration (`split_newton_schulz`).
+  `split_fn(x, parts, reduce)` (`newton_schulz_column_parts` with `ns_fn`'s settings)
+  runs matrices split by columns over several devices; without it every matrix is
+  orthogonalized whole. `steps` sizes the flop estimates that balance the work.
   Matrices are dealt over every device of the mesh, whatever axis `data_axis` names."""
   check_data_axis(mesh, data_axis)
-  split_ns = lambda x, g, axes, n: split_newton_schulz(x, g, axes, n, ns, steps, compute_dtype)
+  split_ns = None if split_fn is None else (
+      lambda x, g, axes, n: split_fn(x, g, lambda v, op: _group_reduce(v, op, g, axes, n)))
 
   def partition(mesh_, arg_shapes, result_shape):
     (args,) = arg_shapes

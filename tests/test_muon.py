@@ -82,7 +82,8 @@ def flat(tree):
 
 def test_multi_step_equality_with_plain_reference():
   params = make_params()
-  tx = mo.muon(0.05, weight_decay=0.1, adam=mo.AuxAdam(learning_rate=1e-2))
+  tx = mo.muon(0.05, ns="jordan", ns_steps=5, weight_decay=0.1,
+              adam=mo.AuxAdam(learning_rate=1e-2))
   ref = PlainMuonAdamW(0.05, 1e-2, wd=0.1)
   state, ref_params = tx.init(params), flat(params)
   update = jax.jit(tx.update)
@@ -104,7 +105,13 @@ def test_grouped_orthogonalization_equals_per_leaf():
   tx = mo.orthogonalize("polar_express")
   out, _ = jax.jit(tx.update)(tree, tx.init(tree))
   expected = jax.tree.map(lambda x: mo.newton_schulz(x, ns="polar_express"), tree)
-  assert_trees_close(out, expected, rtol=0, atol=5e-6)
+  # A batched matmul may round differently from a single one. Each float32 result is
+  # within steps · eps32 · ∏|a_k| (relative) of the exact polynomial: allow twice that.
+  coeffs, _ = mo._newton_schulz.coefficient_schedule("polar_express", 5)
+  bound = 5 * np.finfo(np.float32).eps * np.prod(np.abs(coeffs[:, 0]))
+  for name in tree:
+    o, e = np.asarray(out[name]["kernel"], np.float64), np.asarray(expected[name]["kernel"])
+    assert np.linalg.norm(o - e) < 2 * bound * np.linalg.norm(e), name
 
 
 def test_no_recompile_on_second_update():
@@ -160,7 +167,7 @@ def test_converges_on_a_quadratic():
 
 def test_inject_hyperparams_gives_the_same_results():
   params = make_params()
-  plain = mo.muon(0.03, beta=0.9, weight_decay=0.01)
+  plain = mo.muon(0.03, beta=0.9, weight_decay=0.01, ns_steps=5)
   injected = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(
       learning_rate=0.03, beta=0.9, weight_decay=0.01, ns_steps=5)
   s1, s2 = plain.init(params), injected.init(params)
