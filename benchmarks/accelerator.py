@@ -32,7 +32,7 @@ import optax.contrib
 
 import muon_optax as mo
 from _machine import machine
-from muon_optax._ns_plan import newton_schulz_plan, resolve_precision
+from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan, resolve_precision
 from newton_schulz import optax_orthogonalize
 from optimizer_step import KERNELS, arms as step_arms, gpt2_params, make_step
 
@@ -82,7 +82,7 @@ def ns_arms(shape):
     for gram in (False, True):
       for dtype in ("float32", "bfloat16"):
         fn = functools.partial(mo.newton_schulz, ns=ns, gram=gram, compute_dtype=dtype)
-        flops = count * mo.newton_schulz_flops(m, n, steps, gram=gram, compute_dtype=dtype)
+        flops = count * newton_schulz_flops(m, n, steps, gram=gram, compute_dtype=dtype)
         out[f"muon_optax {ns} {'gram' if gram else 'standard'} {dtype}"] = (
             jax.jit(fn), flops, dtype)
   dims = None if not batch else optax.contrib.MuonDimensionNumbers(
@@ -90,7 +90,7 @@ def ns_arms(shape):
   fn = functools.partial(optax_orthogonalize, ns_coeffs=JORDAN, ns_steps=5,
                          dimension_numbers=dims)
   out["optax.contrib jordan standard float32"] = (
-      jax.jit(fn), count * mo.newton_schulz_flops(m, n, 5, gram=False), "float32")
+      jax.jit(fn), count * newton_schulz_flops(m, n, 5, gram=False), "float32")
   return out
 
 

@@ -33,6 +33,7 @@ import optax
 import optax.contrib
 
 import muon_optax as mo
+from muon_optax._ns_plan import newton_schulz_flops
 from benchmarks.common import machine
 from muon_optax._newton_schulz import coefficient_schedule
 
@@ -56,7 +57,7 @@ def arms(shape):
         fn = functools.partial(mo.newton_schulz, ns=ns, steps=steps, gram=gram,
                                compute_dtype=dtype)
         name = f"muon_optax {ns} ({steps} steps) {'gram' if gram else 'standard'} {dtype}"
-        out[name] = (jax.jit(fn), count * mo.newton_schulz_flops(
+        out[name] = (jax.jit(fn), count * newton_schulz_flops(
             m, n, steps, gram=gram, compute_dtype=dtype))
   dims = None if not batch else optax.contrib.MuonDimensionNumbers(
       reduction_axis=len(batch), output_axis=len(batch) + 1)
@@ -65,7 +66,7 @@ def arms(shape):
     fn = functools.partial(optax_orthogonalize, ns_coeffs=coeffs, ns_steps=STEPS,
                            dimension_numbers=dims)
     out[f"optax.contrib {ns} standard float32"] = (
-        jax.jit(fn), count * mo.newton_schulz_flops(m, n, STEPS, gram=False))
+        jax.jit(fn), count * newton_schulz_flops(m, n, STEPS, gram=False))
   return out
 
 

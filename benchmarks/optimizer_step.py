@@ -31,7 +31,7 @@ import optax.contrib
 
 import muon_optax as mo
 from benchmarks.common import machine
-from muon_optax._ns_plan import newton_schulz_plan
+from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan
 
 D, VOCAB, CTX = 768, 50257, 1024
 KERNELS = {"attn/qkv": (D, 3 * D), "attn/proj": (D, D), "mlp/fc": (D, 4 * D),
@@ -133,7 +133,7 @@ def main() -> None:
   n_all, n_muon = num_params(params), num_params(kernels)
   base = medians["optax.contrib.muon"]
   flops = args.layers * sum(newton_schulz_plan(s).flops for s in KERNELS.values())
-  flops_std = args.layers * sum(mo.newton_schulz_flops(*s, 5, gram=False) for s in KERNELS.values())
+  flops_std = args.layers * sum(newton_schulz_flops(*s, 5, gram=False) for s in KERNELS.values())
   print(f"machine: {machine()}")
   print(f"GPT-2-small tree, {args.layers} layers: {n_all:,} parameters, {n_muon:,} in "
         f"{4 * args.layers} Muon kernels; Newton–Schulz per step with defaults "

@@ -3,11 +3,11 @@
 from muon_optax._adamw import BACKENDS, adamw
 from muon_optax._alias import AuxAdam, muon, scale_by_muon
 from muon_optax._convert import convert_adam_state
-from muon_optax._matrix_view import MatrixView, default_view, from_matrices, to_matrices
+from muon_optax._matrix_view import MatrixView, default_view
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._offload import offload_state
 from muon_optax._newton_schulz import (
-    PRESETS, gram_newton_schulz_flops, newton_schulz, newton_schulz_flops)
+    PRESETS, newton_schulz, newton_schulz_plan)
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
 from muon_optax._routing import (DEFAULT_RULES, Routing, describe, label_params,
@@ -41,15 +41,13 @@ __all__ = [
     "convert_adam_state",
     "default_view",
     "describe",
-    "from_matrices",
     "fsdp_shardings",
-    "gram_newton_schulz_flops",
     "infer_routing",
     "label_params",
     "muon",
     "newton_schulz",
     "newton_schulz_cost",
-    "newton_schulz_flops",
+    "newton_schulz_plan",
     "offload_state",
     "orthogonalize",
     "qk_clip",
@@ -57,5 +55,4 @@ __all__ = [
     "scale_by_muon_momentum",
     "scale_by_shape",
     "state_shardings",
-    "to_matrices",
 ]

@@ -39,6 +39,20 @@ class MatrixView(NamedTuple):
     count, fan_in, fan_out = self.matrix_shape(shape)
     return f"{count}×({fan_in}×{fan_out})" if self.batch else f"{fan_in}×{fan_out}"
 
+  def to_matrices(self, x: jax.Array) -> jax.Array:
+    """Leaf -> (count, fan_in, fan_out)."""
+    view = self.normalize(x.ndim)
+    order = view.batch + view.fan_in + view.fan_out
+    return jnp.transpose(x, order).reshape(view.matrix_shape(x.shape))
+
+  def from_matrices(self, m: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """(count, fan_in, fan_out) -> leaf of `shape`; the inverse of `to_matrices`."""
+    view = self.normalize(len(shape))
+    order = view.batch + view.fan_in + view.fan_out
+    permuted = m.reshape(tuple(shape[a] for a in order))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return jnp.transpose(permuted, inverse)
+
 
 ViewFn = Callable[[str, tuple[int, ...]], Optional[MatrixView]]
 
@@ -83,19 +97,3 @@ def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -
 def view_fn(views: Optional[ViewFn], per_head: bool) -> ViewFn:
   """The user's view function, or the default one with `per_head`."""
   return views or (lambda path, shape: default_view(path, shape, per_head=per_head))
-
-
-def to_matrices(x: jax.Array, view: MatrixView) -> jax.Array:
-  """Leaf -> (count, fan_in, fan_out)."""
-  view = view.normalize(x.ndim)
-  order = view.batch + view.fan_in + view.fan_out
-  return jnp.transpose(x, order).reshape(view.matrix_shape(x.shape))
-
-
-def from_matrices(m: jax.Array, view: MatrixView, shape: tuple[int, ...]) -> jax.Array:
-  """(count, fan_in, fan_out) -> leaf of `shape`; the inverse of `to_matrices`."""
-  view = view.normalize(len(shape))
-  order = view.batch + view.fan_in + view.fan_out
-  permuted = m.reshape(tuple(shape[a] for a in order))
-  inverse = sorted(range(len(order)), key=order.__getitem__)
-  return jnp.transpose(permuted, inverse)

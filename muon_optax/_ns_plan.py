@@ -247,8 +247,8 @@ def newton_schulz_plan(shape: tuple[int, ...], *, ns: Schedule = DEFAULT_NS,
   `jax.default_backend()`, which is what `newton_schulz` resolves "auto" against.
 
   Example:
-    >>> from muon_optax._ns_plan import newton_schulz_plan
-    >>> print(newton_schulz_plan((768, 3072), backend="cpu"))
+    >>> import muon_optax as mo
+    >>> print(mo.newton_schulz_plan((768, 3072), backend="cpu"))
     gram · 4 steps · aol · float32 operands, float32 accumulation · precision HIGHEST
   """
   m, n = shape[-2:]

@@ -11,7 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from muon_optax import _paths
-from muon_optax._matrix_view import MatrixView, ViewFn, from_matrices, to_matrices, view_fn
+from muon_optax._matrix_view import MatrixView, ViewFn, view_fn
 from muon_optax._sharded_ns import sharded_solver
 from muon_optax._newton_schulz import (
     DEFAULT_NS, Schedule, coefficient_schedule, newton_schulz, newton_schulz_column_parts,
@@ -40,14 +40,14 @@ class _Wide(NamedTuple):
 
 
 def _to_wide(leaf: jax.Array, view: MatrixView) -> _Wide:
-  m = to_matrices(leaf, view)
+  m = view.to_matrices(leaf)
   tall = m.shape[-2] > m.shape[-1]
   return _Wide(jnp.swapaxes(m, -1, -2) if tall else m, view, tall)
 
 
 def _from_wide(stack: jax.Array, wide: _Wide, shape: tuple[int, ...]) -> jax.Array:
   m = jnp.swapaxes(stack, -1, -2) if wide.transposed else stack
-  return from_matrices(m, wide.view, shape)
+  return wide.view.from_matrices(m, shape)
 
 
 # Orthogonalizes a list of wide (count, rows, cols) stacks, returning them in order.

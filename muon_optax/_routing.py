@@ -11,7 +11,7 @@ import numpy as np
 
 from muon_optax import _paths
 from muon_optax._matrix_view import MatrixView, ViewFn, view_fn
-from muon_optax._newton_schulz import newton_schulz_flops
+from muon_optax._ns_plan import newton_schulz_plan
 
 MUON, ADAM, FROZEN = "muon", "adam", "frozen"
 LABELS = (MUON, ADAM, FROZEN)
@@ -289,44 +289,51 @@ def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[st
   _paths.map_with_path(lambda p, x, l: check_leaf(p, x, l, views, known), params, label_tree)
 
 
-def _rows(params: Any, routing: Routing, ns_steps: int) -> list[tuple]:
-  """(path, shape, label, matrix view, Newton–Schulz flops, reason) of every leaf."""
+def _rows(params: Any, routing: Routing, ns_options: dict) -> list[tuple]:
+  """(path, shape, label, matrix view, Newton–Schulz plan or None, flops, reason) of
+  every leaf; the plan is what `newton_schulz` runs with `ns_options` on this machine."""
   rows = []
   for path, leaf, decision in routing.decide(params):
     check_leaf(path, leaf, decision.label, routing.view, LABELS)
     shape = tuple(np.shape(leaf))
-    view, flops = "", 0
+    view, plan, flops = "", None, 0
     if decision.label == MUON:
       v = routing.view(path, shape)
       count, fan_in, fan_out = v.matrix_shape(shape)
-      view, flops = v.describe(shape), count * newton_schulz_flops(fan_in, fan_out, ns_steps)
-    rows.append((path, shape, decision.label, view, flops, decision.reason))
+      plan = newton_schulz_plan((fan_in, fan_out), **ns_options)
+      view, flops = v.describe(shape), count * plan.flops
+    rows.append((path, shape, decision.label, view, plan, flops, decision.reason))
   return rows
 
 
 def newton_schulz_cost(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
-                       per_head: bool = False, ns_steps: int = 5, routing: Optional[Routing] = None,
-                       rules: Optional[Sequence[Rule]] = None) -> int:
-  """Newton–Schulz flops of one Muon update of `params` (the total `describe` prints).
+                       per_head: bool = False, routing: Optional[Routing] = None,
+                       rules: Optional[Sequence[Rule]] = None, **ns_options) -> int:
+  """Newton–Schulz matmul flops of one Muon update of `params` (the total `describe`
+  prints). `ns_options` (ns, steps, gram, compute_dtype, precondition) are those given
+  to `muon` / `newton_schulz`, with `steps` for `muon`'s ns_steps.
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
-    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}) == mo.newton_schulz_flops(4, 8, 5)
-    True
+    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}, ns="jordan", steps=5)  # 5·(4·4²·8 + 2·4³)
+    5760
   """
   routing = as_routing(routing=routing, labels=labels, rules=rules, views=views, per_head=per_head)
-  return sum(row[4] for row in _rows(params, routing, ns_steps))
+  return sum(row[5] for row in _rows(params, routing, ns_options))
 
 
 def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
-             per_head: bool = False, ns_steps: int = 5, routing: Optional[Routing] = None,
-             rules: Optional[Sequence[Rule]] = None) -> str:
-  """The routing table: path, shape, label, matrix view, Newton–Schulz flops and why, per leaf.
+             per_head: bool = False, routing: Optional[Routing] = None,
+             rules: Optional[Sequence[Rule]] = None, **ns_options) -> str:
+  """The routing table: path, shape, label, matrix view, the Newton–Schulz variant that
+  will run and its flops, and why, per leaf; then totals and the Newton–Schulz settings.
 
   Args:
     params: the params pytree (arrays or `jax.ShapeDtypeStruct`s).
     labels, rules, views, per_head, routing: the routing, as given to `muon`.
-    ns_steps: Newton–Schulz iterations counted in the flops column.
+    **ns_options: ns, steps, gram, compute_dtype, precision, precondition, as given to
+      `newton_schulz` (`muon`'s ns_steps is `steps`); "auto" settings are resolved for
+      `jax.default_backend()`, or for `backend=` ("cpu", "gpu", "tpu").
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
@@ -334,12 +341,14 @@ def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = No
   """
   routing = as_routing(routing=routing, labels=labels, rules=rules, views=views, per_head=per_head)
   rows, totals = [], {}
-  for path, shape, label, view, flops, why in _rows(params, routing, ns_steps):
+  plans = []
+  for path, shape, label, view, plan, flops, why in _rows(params, routing, ns_options):
     n, f = totals.get(label, (0, 0))
     totals[label] = (n + int(np.prod(shape)), f + flops)
+    plans += [plan] if plan else []
     rows.append((path, "×".join(map(str, shape)) or "()", label, view,
-                 f"{flops:,}" if flops else "", why))
-  header = ("path", "shape", "label", "matrix view", f"NS flops ({ns_steps} steps)", "why")
+                 plan.variant if plan else "", f"{flops:,}" if flops else "", why))
+  header = ("path", "shape", "label", "matrix view", "NS", "NS flops", "why")
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
   lines = [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
@@ -347,6 +356,11 @@ def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = No
   for label, (n, f) in sorted(totals.items()):
     flops = f", {f:,} Newton–Schulz flops per step" if f else ""
     lines.append(f"{label}: {n:,} parameters{flops}")
+  if plans:
+    p = plans[0]
+    lines.append(f"Newton–Schulz: {p.steps} steps, {p.precondition} scaling, "
+                 f"{p.compute_dtype} operands with float32 accumulation, precision "
+                 f"{p.precision}; NS is the standard or Gram-space iteration per shape.")
   if routing.rules is not None:
     lines.append(NAME_RULES_CAVEAT)
   return "\n".join(lines)

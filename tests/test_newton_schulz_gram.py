@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import muon_optax as mo
+from _helpers import float32_bound, polar, rel, singular_values
 from muon_optax._newton_schulz import (
     GRAM_MIN_ASPECT, coefficient_schedule, gram_newton_schulz_flops, use_gram)
-from muon_optax._ns_plan import newton_schulz_plan
+from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan
 
 PRESETS = ("jordan", "polar_express", "turbo")
 # Scaled input singular values at or above `floor` land in [low, high] after the
@@ -64,26 +65,12 @@ def reference(x, ns):
   return np.swapaxes(x, -1, -2) if tall else x
 
 
-def polar(x):
-  u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
-  return u @ vt
 
 
-def rel(a, b):
-  """Relative Frobenius distance of each matrix of a stack, as an array."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b, axis=(-2, -1)) / np.linalg.norm(b, axis=(-2, -1))
 
 
-def float32_bound(ns, steps=None):
-  """A priori relative error of a float32 evaluation of the polynomial: each step
-  rounds at ~eps32 and later steps amplify perturbations by at most ~|a| each."""
-  coeffs, _ = coefficient_schedule(ns, steps)
-  return len(coeffs) * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))
 
 
-def singular_values(x):
-  return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
 
 
 def assert_meets_criterion(out, standard, x, ns, name):
@@ -201,7 +188,7 @@ def test_compiled_flops_gram_cheaper_at_wide_aspect(shape):
   assert gram < 0.85 * standard and auto == gram, (gram, standard, auto)
   # The matmul counts account for what XLA compiles, up to elementwise work.
   steps = newton_schulz_plan(shape).steps
-  for measured, formula in ((standard, mo.newton_schulz_flops(*shape[-2:], steps, gram=False)),
+  for measured, formula in ((standard, newton_schulz_flops(*shape[-2:], steps, gram=False)),
                             (gram, gram_newton_schulz_flops(*shape[-2:], steps))):
     assert 1.0 <= measured / (count * formula) < 1.1, (measured, formula)
 
@@ -217,12 +204,12 @@ def test_flop_formulas_and_automatic_rule():
   m, n = 768, 3072
   # 5 steps, one restart before step 2: 8 m²n + 28 m³, against 20 m²n + 10 m³.
   assert gram_newton_schulz_flops(m, n, 5) == 8 * m * m * n + 28 * m**3
-  assert mo.newton_schulz_flops(m, n, 5, gram=False) == 20 * m * m * n + 10 * m**3
-  assert mo.newton_schulz_flops(n, m, 5) == gram_newton_schulz_flops(m, n, 5)
+  assert newton_schulz_flops(m, n, 5, gram=False) == 20 * m * m * n + 10 * m**3
+  assert newton_schulz_flops(n, m, 5) == gram_newton_schulz_flops(m, n, 5)
   for steps in (1, 2, 3, 5, 8):
     for ratio in (1, 1.5, 2, 3, 4, 8):
       g = gram_newton_schulz_flops(64, int(64 * ratio), steps)
-      s = mo.newton_schulz_flops(64, int(64 * ratio), steps, gram=False)
+      s = newton_schulz_flops(64, int(64 * ratio), steps, gram=False)
       assert (g < s) == (ratio > 1.5 and steps >= 2), (steps, ratio, g, s)
   assert use_gram(768, 768 * GRAM_MIN_ASPECT, 5) and not use_gram(768, 768 * GRAM_MIN_ASPECT - 1, 5)
   assert not use_gram(768, 3072, 1)

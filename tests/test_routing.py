@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import muon_optax as mo
+from _helpers import float32_bound, rel
 from muon_optax._paths import leaves_with_path
 
 
@@ -73,10 +74,10 @@ def test_view_round_trip_and_per_head_matrices_are_the_heads():
   x = jax.random.normal(jax.random.key(0), (3, 16, 2, 8))
   for per_head in (False, True):
     view = mo.default_view("layers/attn/query/kernel", x.shape, per_head=per_head)
-    m = mo.to_matrices(x, view)
-    np.testing.assert_array_equal(mo.from_matrices(m, view, x.shape), x)
+    m = view.to_matrices(x)
+    np.testing.assert_array_equal(view.from_matrices(m, x.shape), x)
   view = mo.default_view("attn/query/kernel", (16, 2, 8), per_head=True)
-  m = mo.to_matrices(x[0], view)
+  m = view.to_matrices(x[0])
   np.testing.assert_array_equal(m[1], x[0][:, 1, :])
 
 
@@ -136,8 +137,9 @@ def test_scanned_linen_stack_is_batched():
   tx = mo.orthogonalize()
   out, _ = tx.update(params, tx.init(params))
   for i in range(4):
-    np.testing.assert_allclose(out["layers"]["Dense_0"]["kernel"][i],
-                               mo.newton_schulz(kernel[i]), atol=5e-6)
+    # Batched and single matmuls may round differently: within twice the float32 bound.
+    assert rel(out["layers"]["Dense_0"]["kernel"][i], mo.newton_schulz(kernel[i])) < (
+        2 * float32_bound())
 
 
 def test_nnx_vmapped_stack_is_batched():
@@ -188,7 +190,7 @@ def test_describe_lists_every_leaf_and_totals():
   table = mo.describe(params)
   for path, _ in leaves_with_path(params):
     assert path in table
-  fc_flops = mo.newton_schulz_flops(16, 64, 5)
+  fc_flops = mo.newton_schulz_plan((16, 64)).flops
   assert f"{fc_flops:,}" in table
   assert "muon:" in table and "adam:" in table and "Newton–Schulz flops per step" in table
 
@@ -281,9 +283,9 @@ def test_negative_view_axes(shape):
   x = jax.random.normal(jax.random.key(0), shape)
   negative = mo.MatrixView((-3,), (-1,), (-2,))
   positive = mo.MatrixView((0,), (2,), (1,))
-  m = mo.to_matrices(x, negative)
+  m = negative.to_matrices(x)
   np.testing.assert_array_equal(m, np.transpose(np.asarray(x), (0, 2, 1)))
-  np.testing.assert_array_equal(mo.from_matrices(m, negative, shape), x)
+  np.testing.assert_array_equal(negative.from_matrices(m, shape), x)
   a, _ = mo.orthogonalize(views=lambda p, s: negative).update({"w": x}, optax.EmptyState())
   b, _ = mo.orthogonalize(views=lambda p, s: positive).update({"w": x}, optax.EmptyState())
   np.testing.assert_array_equal(a["w"], b["w"])
@@ -296,10 +298,10 @@ def test_ns_array_under_inject_hyperparams():
   ns = np.tile(np.asarray(mo.PRESETS["jordan"][0][0]), (5, 1))
   tx = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(learning_rate=0.02, ns=ns)
   u, _ = jax.jit(tx.update)(params, tx.init(params), params)
-  ref = mo.muon(0.02)
+  ref = mo.muon(0.02, ns="jordan", ns_steps=5)
   ur, _ = ref.update(params, ref.init(params), params)
   # Same maths; only the coefficients' float32 vs float64 rounding differs.
-  np.testing.assert_allclose(u["w"]["kernel"], ur["w"]["kernel"], atol=1e-6, rtol=0)
+  assert rel(u["w"]["kernel"], ur["w"]["kernel"]) < 2 * float32_bound("jordan", 5)
   bad = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(ns=np.ones((5, 2)))
   with pytest.raises(ValueError, match=r"shape \(n, 3\).*\(5, 2\)"):
     jax.jit(bad.update)(params, bad.init(params), params)

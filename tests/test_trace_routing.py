@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import muon_optax as mo
+from _helpers import float32_bound, rel
 from muon_optax._paths import leaves_with_path
 
 V = mo.MatrixView
@@ -37,7 +38,8 @@ def ns_reference(m, dtype):
 def assert_muon_update_is_ns_of_each_view(routing, params):
   """With beta=0, no shape scaling and lr=1, Muon's update of a leaf is -NS(its matrices)."""
   grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
-  tx = mo.muon(1.0, beta=0.0, nesterov=False, scale=None, routing=routing)
+  tx = mo.muon(1.0, beta=0.0, nesterov=False, scale=None, ns="jordan", ns_steps=5,
+               routing=routing)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   checked = 0
   for (path, g), (_, u) in zip(leaves_with_path(grads), leaves_with_path(updates)):
@@ -48,10 +50,9 @@ def assert_muon_update_is_ns_of_each_view(routing, params):
     count, fan_in, fan_out = view.matrix_shape(g.shape)
     mats = np.transpose(np.asarray(g), order).reshape(count, fan_in, fan_out)
     ref64 = np.stack([ns_reference(m, np.float64) for m in mats])
-    own32 = np.stack([ns_reference(m, np.float32) for m in mats])
-    tol = 10 * np.abs(own32 - ref64).max() + 10 * np.finfo(np.float32).eps
     permuted = np.transpose(-np.asarray(u, np.float64), order).reshape(count, fan_in, fan_out)
-    np.testing.assert_allclose(permuted, ref64, atol=tol, err_msg=path)
+    # Any float32 evaluation (standard or Gram-space) is within the a priori bound.
+    assert np.all(rel(permuted, ref64) < float32_bound("jordan", 5)), path
     checked += 1
   assert checked
 
