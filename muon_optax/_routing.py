@@ -315,8 +315,8 @@ def newton_schulz_cost(params: Any, labels: Labels = None, *, views: Optional[Vi
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
-    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}, ns="jordan", steps=5)  # 5·(4·4²·8 + 2·4³)
-    5760
+    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}, ns="jordan", steps=5, gram=False)
+    3200
   """
   routing = as_routing(routing=routing, labels=labels, rules=rules, views=views, per_head=per_head)
   return sum(row[5] for row in _rows(params, routing, ns_options))
@@ -337,7 +337,15 @@ def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = No
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
-    >>> print(mo.describe({"w": jnp.ones((4, 8)), "b": jnp.ones(8)}))  # doctest: +SKIP
+    >>> print(mo.describe({"w": jnp.ones((4, 8)), "b": jnp.ones(8)}, backend="cpu"))
+    path  shape  label  matrix view  NS    NS flops  why
+    ----  -----  -----  -----------  ----  --------  -------------
+    b     8      adam                                rank < 2
+    w     4×8    muon   4×8          gram  2,304     name → weight
+    <BLANKLINE>
+    adam: 8 parameters
+    muon: 32 parameters, 2,304 Newton–Schulz flops per step
+    Newton–Schulz: 4 steps, aol scaling, float32 operands with float32 accumulation, ...
   """
   routing = as_routing(routing=routing, labels=labels, rules=rules, views=views, per_head=per_head)
   rows, totals = [], {}

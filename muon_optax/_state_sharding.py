@@ -95,8 +95,9 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     A pytree of `NamedSharding` with the structure of `tx.init(params)`.
 
   Example:
-    >>> import jax, jax.numpy as jnp, muon_optax as mo  # doctest: +SKIP
-    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> import jax, jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((16, 32)), "bias": jnp.zeros(32)}}
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = mo.muon(0.02, mesh=mesh)
     >>> shardings = mo.state_shardings(tx, params, mesh)
     >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
@@ -120,7 +121,10 @@ def fsdp_shardings(params: Any, mesh: Mesh, data_axis: str = "data") -> Any:
   dimension that the axis size divides; leaves with none stay replicated.
 
   Example:
-    >>> shardings = mo.fsdp_shardings(params, mesh)  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((16, 32)), "bias": jnp.zeros(32)}}
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> shardings = mo.fsdp_shardings(params, mesh)
     >>> params = jax.device_put(params, shardings)
   """
   check_data_axis(mesh, data_axis)
