@@ -104,7 +104,7 @@ def test_clip_attention_gpt_has_the_same_params_and_sows_max_logits():
   # Same weights, same causal attention through another attention_fn: the same logits
   # up to float32 rounding of a differently ordered softmax (~100 ulps of O(1) values).
   np.testing.assert_allclose(logits, plain(tokens), rtol=1e-5, atol=1e-5)
-  sown = mo.max_logits(inter)
+  sown = mo.nnx.max_logits(inter)
   assert sorted(sown) == ["blocks/0/attn", "blocks/1/attn"]
   assert all(s.shape == (2,) and jnp.all(jnp.isfinite(s)) for s in sown.values())
 
