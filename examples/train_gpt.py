@@ -122,20 +122,25 @@ def make_model(cfg: TrainConfig) -> GPT:
              rngs=nnx.Rngs(cfg.seed))
 
 
-def make_optimizer(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None
-                   ) -> optax.GradientTransformation:
+def routing_of(model: nnx.Module, cfg: TrainConfig) -> "mo.Routing":
+  """Which parameters Muon updates, read from the model's computation on a token batch."""
+  return mo.infer_routing(model, jnp.zeros((1, cfg.seq_len), jnp.int32))
+
+
+def make_optimizer(cfg: TrainConfig, routing: "mo.Routing",
+                   mesh: Optional[jax.sharding.Mesh] = None) -> optax.GradientTransformation:
   """Muon (+ aux AdamW) or AdamW, both clipped and both on a warmup+cosine schedule.
 
   With a mesh, Muon orthogonalizes whole matrices dealt over its devices.
 
-  Weight decay is applied to the hidden matrices only (those `mo.label_params` sends to
-  Muon), so both optimizers decay the same parameters.
+  Weight decay is applied to the hidden matrices only (those `routing` sends to Muon),
+  so both optimizers decay the same parameters.
   """
-  hidden = lambda params: jax.tree.map(lambda l: l == "muon", mo.label_params(params))
+  hidden = lambda params: jax.tree.map(lambda l: l == "muon", routing.labels(params))
   adam_lr = lr_schedule(cfg.adam_lr, cfg)
   if cfg.optimizer == "muon":
     tx = mo.muon(lr_schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay, mesh=mesh,
-                 adam=mo.AuxAdam(learning_rate=adam_lr, b1=0.9, b2=0.95))
+                 routing=routing, adam=mo.AuxAdam(learning_rate=adam_lr, b1=0.9, b2=0.95))
   elif cfg.optimizer == "adamw":
     tx = optax.adamw(adam_lr, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=hidden)
   else:
@@ -215,7 +220,8 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
   if cfg.batch % cfg.devices:
     raise ValueError(f"--batch {cfg.batch} must be a multiple of --devices {cfg.devices}.")
   model = make_model(cfg)
-  optimizer = nnx.Optimizer(model, make_optimizer(cfg, mesh), wrt=nnx.Param)
+  routing = routing_of(model, cfg)
+  optimizer = nnx.Optimizer(model, make_optimizer(cfg, routing, mesh), wrt=nnx.Param)
   shard = place_data_parallel(mesh, model, optimizer)
 
   @nnx.jit
@@ -237,7 +243,7 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
   show_lr = lr_schedule(cfg.lr if cfg.optimizer == "muon" else cfg.adam_lr, cfg)
 
   ckpt_dir = pathlib.Path(cfg.checkpoint_dir) / cfg.optimizer if cfg.checkpoint_dir else None
-  ckpt = mo.checkpoint.Checkpointer(ckpt_dir) if ckpt_dir else None
+  ckpt = mo.checkpoint.Checkpointer(ckpt_dir, routing=routing) if ckpt_dir else None
   if cfg.resume and ckpt is None:
     raise ValueError("--resume needs --checkpoint-dir.")
   start_step = restore_latest(ckpt, model, optimizer) if cfg.resume else 0
@@ -291,7 +297,7 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
       "optimizer": cfg.optimizer,
       "config": dataclasses.asdict(cfg),
       "params": n_params,
-      "ns_flops_per_step": mo.newton_schulz_cost(params) if cfg.optimizer == "muon" else 0,
+      "ns_flops_per_step": mo.newton_schulz_cost(params, routing=routing) if cfg.optimizer == "muon" else 0,
       "train_flops_per_step": 6 * n_params * tokens_per_step,
       "steps": cfg.steps,
       "start_step": start_step,
@@ -378,7 +384,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   optimizers = [args.optimizer] if args.optimizer else ["muon", "adamw"]
   model = make_model(cfg)
   if "muon" in optimizers or args.describe:
-    print(mo.describe(nnx.state(model, nnx.Param)))
+    print(mo.describe(nnx.state(model, nnx.Param), routing=routing_of(model, cfg)))
   if args.describe:
     return {}
   train_split, val_split = stdlib_text.load_splits(cfg.data_root or None)

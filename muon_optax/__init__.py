@@ -10,7 +10,8 @@ from muon_optax._newton_schulz import (
     PRESETS, newton_schulz, newton_schulz_plan)
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
-from muon_optax._routing import (DEFAULT_RULES, Routing, describe, label_params,
+from muon_optax._name_rules import DEFAULT_RULES, label_params
+from muon_optax._routing import (Routing, describe,
                                  newton_schulz_cost)
 from muon_optax._trace_routing import infer_routing
 from muon_optax._scaling import scale_by_shape

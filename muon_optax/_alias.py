@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 from jax.typing import ArrayLike

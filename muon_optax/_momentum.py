@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 

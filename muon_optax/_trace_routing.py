@@ -12,7 +12,8 @@ import numpy as np
 from muon_optax import _paths
 from muon_optax._jaxpr_uses import Track, Use, Walker
 from muon_optax._matrix_view import MatrixView, ViewFn, default_view
-from muon_optax._routing import ADAM, MUON, Decision, Routing, Rule, check_rules, first_match
+from muon_optax._name_rules import ADAM, MUON, Rule, check_rules, first_match
+from muon_optax._routing import Decision, Routing
 
 
 def _per_head(view: MatrixView) -> MatrixView:
