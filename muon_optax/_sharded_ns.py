@@ -32,7 +32,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz import gram_restarts, newton_schulz_flops, segments, use_gram
+from muon_optax._ns_plan import gram_restarts, newton_schulz_flops, segments, use_gram
 from muon_optax._state_sharding import check_data_axis
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
@@ -50,9 +50,8 @@ class Round(NamedTuple):
 
 
 def split_flops(rows: int, cols: int, split: int, steps: int) -> int:
-  """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols)
-  matrix whose columns are split over `split` devices: the products with X (4·rows²·cols
-  per touch of X) are split, the rows×rows work is not."""
+  """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols) matrix
+  split over `split` devices: products with X are split, the rows×rows work is not."""
   whole = newton_schulz_flops(rows, cols, steps)
   touches = (len(segments(steps, gram_restarts("auto", steps))) if use_gram(rows, cols, steps)
              else steps)
