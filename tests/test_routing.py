@@ -9,26 +9,9 @@ import pytest
 from flax import nnx
 
 import muon_optax as mo
+from gpt_model import GPT
 from _helpers import float32_bound, rel
 from muon_optax._paths import leaves_with_path
-
-
-class Block(nnx.Module):
-  def __init__(self, d, heads, rngs):
-    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-    self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
-    self.proj = nnx.Linear(4 * d, d, rngs=rngs)
-
-
-class GPT(nnx.Module):
-  def __init__(self, vocab=64, d=16, heads=2, layers=2, seq=8, tied=False, *, rngs):
-    self.embed = nnx.Embed(vocab, d, rngs=rngs)
-    self.pos_embed = nnx.Embed(seq, d, rngs=rngs)
-    self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
-    self.ln_f = nnx.LayerNorm(d, rngs=rngs)
-    self.lm_head = None if tied else nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
 
 
 def labels_by_path(params, **kw):

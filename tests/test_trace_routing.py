@@ -5,11 +5,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import muon_optax as mo
+from gpt_model import GPT
 from _helpers import float32_bound, rel
 from muon_optax._paths import leaves_with_path
 
@@ -58,35 +58,6 @@ def assert_muon_update_is_ns_of_each_view(routing, params):
 
 
 # --- an nnx GPT, tied and untied --------------------------------------------------
-
-class Block(nnx.Module):
-  def __init__(self, d, heads, rngs):
-    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-    self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
-    self.proj = nnx.Linear(4 * d, d, rngs=rngs)
-
-  def __call__(self, x):
-    x = x + self.attn(self.ln1(x))
-    return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nnx.Module):
-  def __init__(self, vocab=64, d=16, heads=2, layers=2, seq=8, tied=False, *, rngs):
-    self.embed = nnx.Embed(vocab, d, rngs=rngs)
-    self.pos_embed = nnx.Embed(seq, d, rngs=rngs)
-    self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
-    self.ln_f = nnx.LayerNorm(d, rngs=rngs)
-    self.lm_head = None if tied else nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
-
-  def __call__(self, ids):
-    x = self.embed(ids) + self.pos_embed(jnp.arange(ids.shape[-1]))
-    for block in self.blocks:
-      x = block(x)
-    x = self.ln_f(x)
-    return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("per_head", [False, True])
