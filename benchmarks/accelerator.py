@@ -13,8 +13,8 @@ time against optax.contrib.muon.
    with jordan/5 steps against optax.contrib.muon (jordan, 5 steps), routing made
    equal, on the GPT-2-small tree of `optimizer_step.py`; median step time and ratio.
 
-    python benchmarks/accelerator.py            # full run (one GPU: well under 3 min)
-    python benchmarks/accelerator.py --quick    # CPU: quarter-size shapes, 2 layers
+    python -m benchmarks.accelerator            # full run (one GPU: well under 3 min)
+    python -m benchmarks.accelerator --quick    # CPU: quarter-size shapes, 2 layers
 """
 
 from __future__ import annotations

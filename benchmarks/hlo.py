@@ -50,7 +50,7 @@ def collective_stats(hlo_text: str) -> dict[str, tuple[int, int]]:
 
   Example:
     >>> compiled = jax.jit(step).lower(*args).compile()  # doctest: +SKIP
-    >>> mo.collective_stats(compiled.as_text())["all-gather"]
+    >>> collective_stats(compiled.as_text())["all-gather"]
   """
   partitions = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text)) else 1
   stats = {op: [0, 0.0] for op in COLLECTIVES}

@@ -13,7 +13,7 @@ For every shape: {turbo (AOL, 4 steps), jordan, polar_express} × {standard, gra
 - orth err: ‖O − U Vᵀ‖_F / ‖U Vᵀ‖_F with U Σ Vᵀ the float64 SVD of the input.
 - σ band: smallest and largest singular value of O (from eigvalsh(O Oᵀ) in float64).
 
-    python benchmarks/newton_schulz.py [--reps 5] [--scale 1.0] [--shapes 768x768,...]
+    python -m benchmarks.newton_schulz [--reps 5] [--scale 1.0] [--shapes 768x768,...]
 
 The stacked group is the 12 attention projections of GPT-2 small (12×768×768), one
 batched call. --scale 0.5 halves every matrix dimension for a quick run.

@@ -6,7 +6,7 @@ its ratio to the standard float32 jordan iteration at 5 steps (what optax.contri
 runs; the criterion asks ≤ 1.05) and to the same preset's standard float32 iteration,
 and the output's singular-value range.
 
-    python benchmarks/newton_schulz_criterion.py [--shapes 768x3072,3072x768,768x768]
+    python -m benchmarks.newton_schulz_criterion [--shapes 768x3072,3072x768,768x768]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ log-spaced from 1 to 1e-6, prints
 Part 2, crossover: for m×n at several aspects, the compiled flops (XLA cost_analysis,
 deterministic) and the median wall time of Gram over standard, calls interleaved.
 
-    python benchmarks/newton_schulz_gram.py [--shapes 64x256,768x3072] [--m 512] [--reps 5]
+    python -m benchmarks.newton_schulz_gram [--shapes 64x256,768x3072] [--m 512] [--reps 5]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ waited on; arms take turns step by step so that load on a shared machine hits al
 Prints the median step time, its ratio to optax.contrib.muon, and optimizer-state bytes
 per parameter (all parameters, and the Muon kernels alone), with the machine it ran on.
 
-    python benchmarks/optimizer_step.py [--layers 12] [--warmup 1] [--steps 3]
+    python -m benchmarks.optimizer_step [--layers 12] [--warmup 1] [--steps 3]
 
 `--layers 2` is the quick variant.
 """
