@@ -1,0 +1,58 @@
+"""Name rules: routing by tree path, anchored on whole path components."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import muon_optax as mo
+from muon_optax._paths import leaves_with_path
+
+
+def labels_by_path(params, **kw):
+  return dict(leaves_with_path(mo.label_params(params, **kw)))
+
+
+def test_user_rules_first_match_wins_and_callable_labels():
+  params = {"a": {"kernel": jnp.zeros((4, 4))}, "b": {"kernel": jnp.zeros((4, 4))}}
+  assert labels_by_path(params, rules=[(r"^a/", "frozen"), (r".*", "muon")]) == {
+      "a/kernel": "frozen", "b/kernel": "muon"}
+  tx = mo.muon(0.1, labels=lambda p: jax.tree.map(lambda _: "adam", p))
+  u, _ = tx.update(params, tx.init(params), params)
+  adam = optax.adamw(3e-4)
+  ua, _ = adam.update(params, adam.init(params), params)
+  np.testing.assert_allclose(u["a"]["kernel"], ua["a"]["kernel"])
+
+
+def test_unplaced_leaf_under_default_rules_is_an_error():
+  with pytest.raises(ValueError, match="no routing rule places parameter 'mystery/table'"):
+    mo.label_params({"mystery": {"table": jnp.zeros((4, 4))}})
+
+
+@pytest.mark.parametrize("path, label", [
+    ("embed/embedding", "adam"), ("wte/embedding", "adam"), ("tok_embeddings/weight", "adam"),
+    ("Embed_0/embedding", "adam"), ("model/embed_tokens/weight", "adam"),
+    ("ensemble/layers_0/kernel", "muon"), ("member_mlp/kernel", "muon"),
+    ("tok_mixing/Dense_0/kernel", "muon"), ("time_embed/dense_1/kernel", "muon"),
+    ("normalizing_flow/coupling_0/kernel", "muon"),
+    ("norm/weight", "adam"), ("ln_f/weight", "adam"), ("layernorm/weight", "adam"),
+    ("rmsnorm/weight", "adam"), ("LayerNorm_0/scale", "adam"), ("BatchNorm_0/kernel", "adam"),
+    ("blocks/0/post_attention_layernorm/weight", "adam"), ("lnx/kernel", "muon"),
+])
+def test_name_rules_match_whole_path_components(path, label):
+  assert mo.DEFAULT_RULES[0](path, jnp.zeros((4, 4))) == label
+
+
+def test_name_rules_see_any_rank_4_leaf_as_a_conv_kernel():
+  view = mo.default_view("layers/0/kernel", (3, 3, 8, 16))
+  assert view == mo.MatrixView((), (0, 1, 2), (3,))
+  assert "72×16" in mo.describe({"layers": {"0": {"kernel": jnp.zeros((3, 3, 8, 16))}}})
+
+
+def test_a_bad_regex_names_the_rule():
+  with pytest.raises(ValueError, match=r"routing rule \('\[', 'adam'\) has a bad regex"):
+    mo.muon(rules=[("[", "adam")])
+  with pytest.raises(ValueError, match=r"routing rule 'adam' must be"):
+    mo.label_params({"w": jnp.zeros((2, 2))}, rules=["adam"])
