@@ -1,4 +1,5 @@
-"""Routing values and the routing table on real Flax models: every leaf's label asserted; label trees as optax.partition takes them."""
+"""Routing values and the routing table on real Flax models, every leaf's label asserted;
+label trees as optax.partition takes them."""
 
 import flax.linen as nn
 import jax
