@@ -190,8 +190,6 @@ def muon(
   """
   _validate.learning_rate("learning_rate", learning_rate)
   _validate.decay_rate("beta", beta)
-  if ns_steps is not None:  # None: the preset's own
-    _validate.positive_int("ns_steps", ns_steps)
   _validate.weight_decay("weight_decay", weight_decay)
   if adam_learning_rate is not None:
     _validate.learning_rate("adam_learning_rate", adam_learning_rate)

@@ -63,13 +63,3 @@ def positive(name: str, value: Any) -> Any:
   if x is not None and not (np.isfinite(x) and x > 0):
     raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
   return value
-
-
-def positive_int(name: str, value: Any) -> int:
-  """A Python or NumPy int ≥ 1 (not a bool, not an array)."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-      or value < 1:
-    hint = (" Under optax.inject_hyperparams pass it in static_args."
-            if isinstance(value, jax.Array) else "")
-    raise ValueError(f"{name} must be a positive Python int, got {value!r}.{hint}")
-  return int(value)
