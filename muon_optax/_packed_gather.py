@@ -20,9 +20,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-
-def _axes(entry) -> tuple[str, ...]:
-  return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+from muon_optax._sharded_ns import spec_axes
 
 
 def _blocks(spec: P, shape: tuple[int, ...], mesh: Mesh):
@@ -30,21 +28,21 @@ def _blocks(spec: P, shape: tuple[int, ...], mesh: Mesh):
   or None if a dimension is not split evenly."""
   sizes = dict(mesh.shape)
   entries = list(spec) + [None] * (len(shape) - len(spec))
-  grid = [math.prod(sizes[a] for a in _axes(e)) for e in entries]
+  grid = [math.prod(sizes[a] for a in spec_axes(e)) for e in entries]
   if any(s % g for s, g in zip(shape, grid)):
     return None
   holder = {}
   for device in range(mesh.size):
     coords = dict(zip(mesh.axis_names, np.unravel_index(device, list(mesh.shape.values()))))
-    key = tuple(int(np.ravel_multi_index([coords[a] for a in _axes(e)], [sizes[a] for a in _axes(e)]))
-                if _axes(e) else 0 for e in entries)
+    key = tuple(int(np.ravel_multi_index([coords[a] for a in spec_axes(e)], [sizes[a] for a in spec_axes(e)]))
+                if spec_axes(e) else 0 for e in entries)
     holder.setdefault(key, device)
   return grid, np.asarray([holder[k] for k in np.ndindex(*grid)])
 
 
 def _partition(mesh, arg_shapes, result_shape):
   (args,) = arg_shapes
-  split = lambda s: any(_axes(e) for e in s.spec)
+  split = lambda s: any(spec_axes(e) for e in s.spec)
   plans = [_blocks(a.sharding.spec, a.shape, mesh)
            if split(a.sharding) and not split(r.sharding) else None
            for a, r in zip(args, result_shape)]

@@ -120,7 +120,7 @@ class Layout(NamedTuple):
   where: tuple[tuple[int, int, int], ...]
 
 
-def _axes(entry) -> tuple[str, ...]:
+def spec_axes(entry) -> tuple[str, ...]:  # a PartitionSpec entry's mesh axes
   return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
 
 
@@ -131,7 +131,7 @@ def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:
   sizes = dict(mesh.shape)
   keep = [()]
   for dim in (1, 2):
-    axes = _axes(spec[dim])
+    axes = spec_axes(spec[dim])
     ok = all(a in sizes for a in axes) and shape[dim] % math.prod(sizes[a] for a in axes) == 0
     keep.append(axes if ok else ())
   used = set(keep[1] + keep[2])
@@ -208,7 +208,7 @@ def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
       x = x.reshape(-1, bh, g, bw // g).transpose(0, 2, 1, 3).reshape(x.shape[0], g, -1)
       if lay.replicas > 1:
         x = jnp.pad(x, ((0, 0), (0, 0), (0, q * lay.replicas - x.shape[2])))
-        rest = tuple(a for a in axes if a not in set(_axes(lay.spec[1]) + _axes(lay.spec[2])))
+        rest = tuple(a for a in axes if a not in spec_axes(lay.spec[1]) + spec_axes(lay.spec[2]))
         x = jax.lax.dynamic_slice_in_dim(x, _linear_index(rest, sizes) * q, q, axis=2)
       shares[(i, g)] = x
     width = [max(piece(item[0], r.split) for item in r.slots if item is not None) for r in rounds]
