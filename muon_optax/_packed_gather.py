@@ -20,7 +20,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._sharded_ns import spec_axes
+from muon_optax._state_sharding import spec_axes
 
 
 def _blocks(spec: P, shape: tuple[int, ...], mesh: Mesh):

@@ -33,7 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._ns_plan import gram_restarts, newton_schulz_flops, segments, use_gram
-from muon_optax._state_sharding import check_data_axis
+from muon_optax._state_sharding import check_data_axis, spec_axes
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
 SplitOk = Callable[[Item, int], bool]
@@ -118,10 +118,6 @@ class Layout(NamedTuple):
   block: tuple[int, int]
   replicas: int
   where: tuple[tuple[int, int, int], ...]
-
-
-def spec_axes(entry) -> tuple[str, ...]:  # a PartitionSpec entry's mesh axes
-  return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
 
 
 def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:

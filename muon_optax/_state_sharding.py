@@ -34,11 +34,13 @@ def _param_specs(params: Any, mesh: Mesh) -> dict[str, P]:
   return specs
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry: None, an axis name or a tuple of names."""
+  return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+
+
 def _spec_axes(spec: P) -> set[str]:
-  used = set()
-  for entry in spec:
-    used.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
-  return used
+  return {axis for entry in spec for axis in spec_axes(entry)}
 
 
 def mirrored_param(path: str, shape: tuple[int, ...], param_shapes: Mapping[str, tuple[int, ...]]
