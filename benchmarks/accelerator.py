@@ -32,7 +32,7 @@ import optax.contrib
 
 import muon_optax as mo
 from _machine import machine
-from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan, resolve_precision
+from muon_optax._ns_plan import DEFAULT_NS, newton_schulz_flops, newton_schulz_plan, resolve_precision
 from newton_schulz import optax_orthogonalize
 from optimizer_step import KERNELS, arms as step_arms, gpt2_params, make_step
 
@@ -77,7 +77,7 @@ def ns_arms(shape):
   *batch, m, n = shape
   count = int(np.prod(batch)) if batch else 1
   out = {}
-  for ns in (mo._newton_schulz.DEFAULT_NS, "jordan"):
+  for ns in (DEFAULT_NS, "jordan"):
     steps = newton_schulz_plan(shape, ns=ns).steps
     for gram in (False, True):
       for dtype in ("float32", "bfloat16"):

@@ -35,7 +35,7 @@ import optax.contrib
 import muon_optax as mo
 from muon_optax._ns_plan import newton_schulz_flops
 from benchmarks.common import machine
-from muon_optax._newton_schulz import coefficient_schedule
+from muon_optax._ns_plan import coefficient_schedule
 
 # optax 0.2.8 keeps its orthogonalization in optax.contrib._muon (not re-exported).
 optax_orthogonalize = getattr(optax.contrib, "orthogonalize_via_newton_schulz", None) \

@@ -6,8 +6,8 @@ from muon_optax._convert import convert_adam_state
 from muon_optax._matrix_view import MatrixView, default_view
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._offload import offload_state
-from muon_optax._newton_schulz import (
-    PRESETS, newton_schulz, newton_schulz_plan)
+from muon_optax._newton_schulz import newton_schulz
+from muon_optax._ns_plan import PRESETS, newton_schulz_plan
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
 from muon_optax._name_rules import DEFAULT_RULES, label_params

@@ -13,7 +13,7 @@ from jax.typing import ArrayLike
 from muon_optax import _adamw, _offload, _paths, _routing, _validate
 from muon_optax._matrix_view import ViewFn
 from muon_optax._momentum import scale_by_muon_momentum
-from muon_optax._newton_schulz import DEFAULT_NS, Schedule
+from muon_optax._ns_plan import DEFAULT_NS, Schedule
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._packed_gather import with_packed_gather
 from muon_optax._scaling import scale_by_shape

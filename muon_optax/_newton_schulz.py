@@ -7,10 +7,9 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from muon_optax._ns_plan import (  # noqa: F401  (re-exported)
-    DEFAULT_NS, GRAM_MIN_ASPECT, GRAM_RESTARTS, PRESETS, Schedule, coefficient_schedule,
-    gram_newton_schulz_flops, gram_restarts, newton_schulz_flops, newton_schulz_plan, resolve_compute_dtype,
-    resolve_precision, resolve_precondition, resolve_steps, segments, use_gram)
+from muon_optax._ns_plan import (
+    DEFAULT_NS, Schedule, coefficient_schedule, gram_restarts, resolve_compute_dtype,
+    resolve_precision, resolve_precondition, segments, use_gram)
 
 
 def _t(x):

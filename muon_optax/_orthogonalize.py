@@ -13,9 +13,10 @@ from jax.sharding import Mesh
 from muon_optax import _paths
 from muon_optax._matrix_view import MatrixView, ViewFn, view_fn
 from muon_optax._sharded_ns import sharded_solver
-from muon_optax._newton_schulz import (
-    DEFAULT_NS, Schedule, coefficient_schedule, newton_schulz, newton_schulz_column_parts,
-    resolve_compute_dtype, resolve_precondition, resolve_steps)
+from muon_optax._newton_schulz import newton_schulz, newton_schulz_column_parts
+from muon_optax._ns_plan import (
+    DEFAULT_NS, Schedule, coefficient_schedule, resolve_compute_dtype, resolve_precondition,
+    resolve_steps)
 
 
 def matrix_view_of(views: ViewFn, path: str, leaf: Any) -> MatrixView:

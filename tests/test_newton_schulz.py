@@ -7,7 +7,8 @@ import pytest
 
 import muon_optax as mo
 from _helpers import float32_bound, polar, rel, singular_values
-from muon_optax._newton_schulz import coefficient_schedule, newton_schulz_column_parts
+from muon_optax._newton_schulz import newton_schulz_column_parts
+from muon_optax._ns_plan import coefficient_schedule
 
 
 

@@ -9,9 +9,9 @@ import pytest
 
 import muon_optax as mo
 from _helpers import float32_bound, polar, rel, singular_values
-from muon_optax._newton_schulz import (
-    GRAM_MIN_ASPECT, coefficient_schedule, gram_newton_schulz_flops, use_gram)
-from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan
+from muon_optax._ns_plan import (
+    GRAM_MIN_ASPECT, coefficient_schedule, gram_newton_schulz_flops, newton_schulz_flops,
+    newton_schulz_plan, use_gram)
 
 PRESETS = ("jordan", "polar_express", "turbo")
 # Scaled input singular values at or above `floor` land in [low, high] after the
