@@ -1,20 +1,22 @@
 """muon_optax: Muon (momentum orthogonalized by Newton–Schulz) as composable Optax transforms."""
 
-from muon_optax._adamw import BACKENDS, adamw
-from muon_optax._alias import AuxAdam, muon, scale_by_muon
+from muon_optax._adamw import BACKENDS, AuxAdam
+from muon_optax._alias import adamuon, muon, normuon, scale_by_muon
 from muon_optax._convert import convert_adam_state
 from muon_optax._matrix_view import MatrixView, default_view
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._offload import offload_state
 from muon_optax._newton_schulz import newton_schulz
-from muon_optax._ns_plan import PRESETS, newton_schulz_plan
+from muon_optax._ns_plan import newton_schulz_plan
+from muon_optax._ns_settings import PRESETS, NewtonSchulz
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
 from muon_optax._name_rules import DEFAULT_RULES, label_params
 from muon_optax._routing import (Routing, describe,
                                  newton_schulz_cost)
 from muon_optax._trace_routing import infer_routing
-from muon_optax._scaling import scale_by_shape
+from muon_optax._scaling import scale_by_dual_norm, scale_by_shape
+from muon_optax._second_moment import SecondMomentState, scale_by_second_moment
 from muon_optax._state_sharding import fsdp_shardings, state_shardings
 from muon_optax import checkpoint  # Orbax is imported on first use
 
@@ -36,9 +38,11 @@ __all__ = [
     "DEFAULT_RULES",
     "MatrixView",
     "MuonMomentumState",
+    "NewtonSchulz",
     "PRESETS",
     "Routing",
-    "adamw",
+    "SecondMomentState",
+    "adamuon",
     "convert_adam_state",
     "default_view",
     "describe",
@@ -49,11 +53,14 @@ __all__ = [
     "newton_schulz",
     "newton_schulz_cost",
     "newton_schulz_plan",
+    "normuon",
     "offload_state",
     "orthogonalize",
     "qk_clip",
     "scale_by_muon",
+    "scale_by_dual_norm",
     "scale_by_muon_momentum",
+    "scale_by_second_moment",
     "scale_by_shape",
     "state_shardings",
 ]

@@ -1,4 +1,4 @@
-"""The aux AdamW, computed by one of three interchangeable backends.
+"""The aux AdamW: its settings, `AuxAdam`, computed by one of three interchangeable backends.
 
 Every backend computes the same AdamW (decoupled weight decay with a mask, optional
 Nesterov, learning rate and weight decay constant or scheduled); they differ only in
@@ -17,6 +17,7 @@ one restores under another.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from muon_optax import _offload, _paths
+from muon_optax import _offload, _paths, _tree_fit, _validate
 
 ScalarOrSchedule = Union[ArrayLike, Callable[[ArrayLike], ArrayLike]]
 Mask = Union[None, Any, Callable[[Any], Any]]
@@ -41,7 +42,7 @@ class ReferenceAdamState(NamedTuple):
   """State of the "reference" backend."""
   count: jax.Array  # int32 scalar: steps taken.
   mu: optax.Updates  # first moment: params' shapes, dtype mu_dtype or the params'.
-  nu: optax.Updates  # second moment: params' shapes and dtypes (|g|² EMA, real-valued).
+  nu: optax.Updates  # second moment: params' shapes and `nu_dtype`s (|g|² EMA, real-valued).
 
 
 class OffloadAdamState(NamedTuple):
@@ -110,46 +111,36 @@ def check_state(state: Any, backend: str) -> None:
       f"muon_optax.convert_adam_state(state, params, {backend!r}).")
 
 
-def adamw(
-    learning_rate: ScalarOrSchedule = 3e-4,
-    b1: ArrayLike = 0.9,
-    b2: ArrayLike = 0.999,
-    eps: ArrayLike = 1e-8,
-    weight_decay: ScalarOrSchedule = 0.0,
-    mask: Mask = None,
-    *,
-    nesterov: bool = False,
-    mu_dtype: Optional[Any] = None,
-    backend: str = "optax",
-) -> optax.GradientTransformation:
-  """AdamW with decoupled weight decay, computed by the chosen backend.
+@dataclasses.dataclass(frozen=True)
+class AuxAdam:
+  """AdamW settings: the branch of `muon` (and its family) that updates every non-Muon
+  leaf, or, with `.transform()`, a standalone AdamW. Checked when built.
 
       m ← b1·m + (1 − b1)·g,   v ← b2·v + (1 − b2)·|g|²,   t ← t + 1
       m̂ = m / (1 − b1ᵗ)   (Nesterov: b1·m / (1 − b1ᵗ⁺¹) + (1 − b1)·g / (1 − b1ᵗ))
       u = −lr(t−1)·(m̂ / (√(v / (1 − b2ᵗ)) + eps) + wd(t−1)·mask·p)
 
   This is `optax.adamw` (with `eps_root=0`), complex leaves included: |g|² = g·ḡ is
-  real, so v keeps the params' dtype but holds real values.
+  real, so v holds real values. Leaves of fewer than 32 bits are updated in float32 and
+  cast back; float16 leaves keep v in float32, whose squares of small gradients would
+  underflow float16. Nothing is shared with the Muon branch unless you pass it here.
 
   Args:
-    learning_rate: a scalar or a schedule of the step count.
-    b1, b2, eps: Adam's decay rates and denominator guard.
-    weight_decay: decoupled weight decay, a scalar or a schedule.
-    mask: a pytree of bools over the params (or a prefix of them), or a callable
-      params -> such a pytree; True leaves are decayed. `optax.MaskedNode` leaves,
-      as in an `optax.partition` branch, are skipped.
+    learning_rate: a number ≥ 0 or a schedule of the step count.
+    b1, b2: decay rates in [0, 1).
+    eps: denominator guard, > 0.
+    weight_decay: decoupled weight decay ≥ 0, or a schedule.
+    mask: a pytree of bools over the full params (or a prefix of them), or a callable
+      params -> such a pytree; True leaves are decayed. Checked against the params at init.
     nesterov: use Nesterov momentum (NAdamW).
-    mu_dtype: dtype of the first moment; None keeps the params'.
-    backend: "optax" (optax's `scale_by_adam`), "offload" (moments in host memory,
-      `pinned_host`, brought to the device for the step; see `offload_state`) or
-      "reference" (AdamW written out, the test oracle).
-
-  Returns:
-    An `optax.GradientTransformation` whose state is the backend's NamedTuple.
+    mu_dtype: floating dtype of the first moment; None keeps the params'.
+    backend: "optax" (optax's `scale_by_adam`, fused by XLA), "offload" (moments in
+      host memory, `pinned_host`, brought to the device for the step; see
+      `offload_state`) or "reference" (AdamW written out, the test oracle).
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
-    >>> tx = mo.adamw(0.1, backend="reference")
+    >>> tx = mo.AuxAdam(0.1, backend="reference").transform()
     >>> p = {"z": jnp.array([1.0 + 0j])}
     >>> u, s = tx.update({"z": jnp.array([0.3 - 1j])}, tx.init(p), p)
     >>> u["z"].round(4)
@@ -159,15 +150,68 @@ def adamw(
     Loshchilov & Hutter 2019, "Decoupled weight decay regularization".
     Dozat 2016, "Incorporating Nesterov momentum into Adam".
   """
-  backend = check_backend(backend)
-  mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
-  hp = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-            mask=mask, nesterov=nesterov, mu_dtype=mu_dtype)
+
+  learning_rate: ScalarOrSchedule = 3e-4
+  b1: ArrayLike = 0.9
+  b2: ArrayLike = 0.999
+  eps: ArrayLike = 1e-8
+  weight_decay: ScalarOrSchedule = 0.0
+  mask: Mask = None
+  nesterov: bool = False
+  mu_dtype: Optional[Any] = None
+  backend: str = "optax"
+
+  def __post_init__(self):
+    _validate.learning_rate("AuxAdam learning_rate", self.learning_rate)
+    _validate.decay_rate("AuxAdam b1", self.b1)
+    _validate.decay_rate("AuxAdam b2", self.b2)
+    _validate.positive("AuxAdam eps", self.eps)
+    _validate.weight_decay("AuxAdam weight_decay", self.weight_decay)
+    object.__setattr__(self, "mu_dtype", _validate.floating_dtype("AuxAdam mu_dtype",
+                                                                  self.mu_dtype))
+    check_backend(self.backend)
+
+  def transform(self) -> optax.GradientTransformation:
+    """AdamW with these settings; its state is the backend's NamedTuple. The mask is
+    checked against the params at init; `optax.MaskedNode` leaves (an `optax.partition`
+    branch's placeholders for other branches' leaves) are skipped."""
+    mask = self.mask
+    if mask is not None and not callable(mask):  # a full-params mask inside a branch too
+      mask = lambda params: jax.tree.map(lambda m, p: p if _paths.is_masked(p) else m,
+                                         self.mask, params, is_leaf=_paths.is_masked)
+    tx = _build(dict(learning_rate=self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
+                     weight_decay=self.weight_decay, mask=mask, nesterov=self.nesterov,
+                     mu_dtype=self.mu_dtype), self.backend)
+
+    def init_fn(params):
+      _tree_fit.check_mask("the AuxAdam mask", self.mask, params)
+      return tx.init(params)
+
+    return optax.GradientTransformation(init_fn, tx.update)
+
+
+def _build(hp: dict, backend: str) -> optax.GradientTransformation:
   if backend == "optax":
     return _optax_backend(hp)
   if backend == "offload":
     return _offload.offload_state(_written_out(hp, "offload"))
   return _written_out(hp, "reference")
+
+
+def nu_dtype(param_dtype: Any) -> jnp.dtype:
+  """The second moment's dtype: the params', but float32 for float16, whose squares of
+  small gradients underflow (eps 1e-8 itself is 0 in float16)."""
+  dtype = jnp.dtype(param_dtype)
+  return jnp.dtype(jnp.float32) if dtype == jnp.float16 else dtype
+
+
+def _nu_zeros(params: Any) -> Any:
+  return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype(jnp.result_type(p))), params)
+
+
+def _wide(x: jax.Array) -> jax.Array:
+  """`x` in float32 when it has fewer bits: the arithmetic of low-precision leaves."""
+  return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 else x
 
 
 def _at(value: ScalarOrSchedule, count: jax.Array) -> Any:
@@ -198,9 +242,11 @@ def _decay_flags(mask: Mask, tree: Any) -> Any:
   return jax.tree.map(as_bool, full)
 
 
-def _leaf_step(g, m, v, p, count, lr, wd, hp):
+def _leaf_step(g_in, m_in, v_in, p, count, lr, wd, hp):
   """One AdamW step on one leaf -> (update, m, v); `p` None where no decay applies."""
   b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
+  g, m, v = _wide(g_in), _wide(m_in), _wide(v_in)
+  p = None if p is None else _wide(p)
   t = optax.safe_increment(count)
   m_new = (1 - b1) * g + b1 * m
   v_new = (1 - b2) * (g * jnp.conj(g)).real + b2 * v  # |g|², real for complex g
@@ -214,7 +260,7 @@ def _leaf_step(g, m, v, p, count, lr, wd, hp):
   d = m_hat / (jnp.sqrt(v_hat) + eps)
   if p is not None:
     d = d + wd * p
-  return (-lr * d).astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
+  return (-lr * d).astype(g_in.dtype), m_new.astype(m_in.dtype), v_new.astype(v_in.dtype)
 
 
 def _written_out(hp: dict, backend: str) -> optax.GradientTransformation:
@@ -223,8 +269,7 @@ def _written_out(hp: dict, backend: str) -> optax.GradientTransformation:
 
   def init_fn(params):
     return state_type(jnp.zeros([], jnp.int32),
-                      optax.tree.zeros_like(params, dtype=hp["mu_dtype"]),
-                      optax.tree.zeros_like(params))
+                      optax.tree.zeros_like(params, dtype=hp["mu_dtype"]), _nu_zeros(params))
 
   def update_fn(updates, state, params=None):
     check_state(state, backend)
@@ -254,15 +299,22 @@ def _optax_backend(hp: dict) -> optax.GradientTransformation:
   adam = optax.scale_by_adam(hp["b1"], hp["b2"], hp["eps"], mu_dtype=hp["mu_dtype"],
                              nesterov=hp["nesterov"])
 
+  def init_fn(params):
+    return adam.init(params)._replace(nu=_nu_zeros(params))
+
   def update_fn(updates, state, params=None):
     check_state(state, "optax")
     count = state.count
-    updates, state = adam.update(updates, state, params)
+    wide = lambda tree: jax.tree.map(_wide, tree)
+    out, new = adam.update(wide(updates), state._replace(mu=wide(state.mu), nu=wide(state.nu)),
+                           params)
+    new = new._replace(mu=optax.tree.cast_like(new.mu, state.mu),
+                       nu=optax.tree.cast_like(new.nu, state.nu))
     if _decays(hp["weight_decay"]):
       decay = optax.add_decayed_weights(_at(hp["weight_decay"], count), hp["mask"])
-      updates, _ = decay.update(updates, decay.init(params), params)
-    updates = optax.scale_by_learning_rate(_at(hp["learning_rate"], count)).update(
-        updates, optax.EmptyState())[0]
-    return updates, state
+      out, _ = decay.update(out, decay.init(params), params)
+    out = optax.scale_by_learning_rate(_at(hp["learning_rate"], count)).update(
+        out, optax.EmptyState())[0]
+    return optax.tree.cast_like(out, updates), new
 
-  return optax.GradientTransformation(adam.init, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)

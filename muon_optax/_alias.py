@@ -1,48 +1,64 @@
-"""The Muon chain and the `muon` alias: Muon for hidden matrices, AdamW for the rest."""
+"""The Muon family as short compositions of the parts: `scale_by_muon`, and the aliases
+`muon`, `normuon` and `adamuon`, each hidden matrices through its chain and every other
+leaf through its own AdamW."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import optax
 from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
-from muon_optax import _adamw, _offload, _paths, _routing, _validate
-from muon_optax._matrix_view import ViewFn
+from muon_optax import _offload, _paths, _routing, _tree_fit, _validate
+from muon_optax._adamw import AuxAdam
 from muon_optax._momentum import scale_by_muon_momentum
-from muon_optax._ns_plan import DEFAULT_NS, Schedule
+from muon_optax._ns_settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._packed_gather import with_packed_gather
-from muon_optax._scaling import scale_by_shape
+from muon_optax._scaling import SCALES, scale_by_dual_norm, scale_by_shape
+from muon_optax._second_moment import scale_by_second_moment
 
 ScalarOrSchedule = Union[ArrayLike, Callable[[ArrayLike], ArrayLike]]
 Mask = Union[None, Any, Callable[[Any], Any]]
+ADAPTIVE = "adaptive"
+
+
+def _debias(beta: ArrayLike, nesterov: bool) -> Callable:
+  """1 / (the weight the momentum puts on gradients so far) at step `count` + 1: the EMA
+  holds 1 − βᵗ, its Nesterov look-ahead (1 − β)·g + β·m holds 1 − βᵗ⁺¹."""
+  return lambda count: 1 / (1 - beta ** (count + 1 + int(nesterov)))
+
+
+def _scaled(orthogonal: optax.GradientTransformation, scale: Optional[str], beta: ArrayLike,
+            nesterov: bool, routing: Any) -> list[optax.GradientTransformation]:
+  """The orthogonalized direction, scaled: by shape, or `adaptive`: by ⟨M̂, O⟩ (M̂ the
+  momentum without its start-up bias) and Jordan's shape factor, as
+  `optax.contrib.muon(adaptive=True)`."""
+  if scale != ADAPTIVE:
+    return [orthogonal, scale_by_shape(scale, routing=routing)]
+  return [scale_by_dual_norm(orthogonal, routing=routing),
+          optax.scale_by_schedule(_debias(beta, nesterov)),
+          scale_by_shape("jordan", routing=routing)]
 
 
 def scale_by_muon(
     beta: ArrayLike = 0.95,
     *,
     nesterov: bool = True,
-    ns: Schedule = DEFAULT_NS,
-    ns_steps: Optional[int] = None,
+    ns: NS = DEFAULT_NS,
     scale: Optional[str] = "jordan",
     mu_dtype: Optional[Any] = None,
-    views: Optional[ViewFn] = None,
-    per_head: bool = False,
-    compute_dtype: Any = "auto",
-    gram: Optional[bool] = None,
-    precondition: Optional[str] = None,
+    routing: Any = None,
     mesh: Optional[Mesh] = None,
-    data_axis: str = "data",
 ) -> optax.GradientTransformation:
   """The Muon direction without learning rate or weight decay:
-  momentum → Newton–Schulz orthogonalization → shape scaling.
+  momentum → Newton–Schulz orthogonalization → scaling.
 
-  Every leaf it sees must have a matrix view; route other leaves elsewhere
-  (see `muon`, which does that for you).
+  Every leaf it sees must have a matrix view; route other leaves elsewhere (`muon`
+  does that for you). Arguments as in `muon`.
 
   Example:
     >>> import jax, optax, muon_optax as mo
@@ -53,47 +69,55 @@ def scale_by_muon(
   References:
     Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks".
   """
-  return optax.chain(
-      scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
-      orthogonalize(ns, ns_steps, views=views, per_head=per_head, compute_dtype=compute_dtype,
-                    gram=gram, precondition=precondition, mesh=mesh, data_axis=data_axis),
-      scale_by_shape(scale, views=views, per_head=per_head),
+  if scale not in (*SCALES, ADAPTIVE):
+    raise ValueError(f"unknown scale {scale!r}; choose one of {[*SCALES, ADAPTIVE]}.")
+  orthogonal = orthogonalize(ns, routing=routing, mesh=mesh)
+  return optax.chain(scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
+                     *_scaled(orthogonal, scale, beta, nesterov, routing))
+
+
+def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: ScalarOrSchedule,
+                    weight_decay: ArrayLike, weight_decay_mask: Mask,
+                    adam: Union[AuxAdam, optax.GradientTransformation, None],
+                    adam_learning_rate: Optional[ScalarOrSchedule], offload_momentum: bool,
+                    routing: Any, mesh: Optional[Mesh]) -> optax.GradientTransformationExtraArgs:
+  """`direction` (+ decoupled weight decay, learning rate) for the leaves routed to Muon,
+  AdamW for the others, zero for frozen ones: what every alias of the family shares."""
+  _validate.learning_rate("learning_rate", learning_rate)
+  _validate.weight_decay("weight_decay", weight_decay)
+  routing = _routing.as_routing(routing)
+  hidden = optax.chain(
+      direction,
+      optax.add_decayed_weights(weight_decay, _branch_mask(weight_decay_mask)),
+      optax.scale_by_learning_rate(learning_rate),
   )
+  if offload_momentum:
+    hidden = _offload.offload_state(hidden)
+  adam = _aux_branch(adam, adam_learning_rate)
+  if mesh is not None:  # ZeRO-1: the AdamW updates gathered in one collective, not per leaf
+    adam = with_packed_gather(adam)
+  transforms = {_routing.MUON: hidden, _routing.ADAM: adam, _routing.FROZEN: optax.set_to_zero()}
+
+  def param_labels(params):
+    label_tree = routing.labels(params)
+    _routing.check_labels(label_tree, params, routing.view, tuple(transforms))
+    return label_tree
+
+  inner = optax.partition(transforms, param_labels)
+
+  def init_fn(params):
+    _tree_fit.check_mask("weight_decay_mask", weight_decay_mask, params)
+    return inner.init(params)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is not None:  # before labelling, so a mismatch is named as one
+      _tree_fit.check_updates(updates, params)
+    return inner.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@dataclasses.dataclass(frozen=True)
-class AuxAdam:
-  """Settings of the AdamW branch that updates every non-Muon leaf.
-
-  They are its own: nothing is shared with the Muon branch unless you pass it here.
-  `mask` (a pytree of bools over the full params, or a callable) limits weight decay.
-  """
-
-  learning_rate: ScalarOrSchedule = 3e-4
-  b1: ArrayLike = 0.9
-  b2: ArrayLike = 0.999
-  eps: ArrayLike = 1e-8
-  weight_decay: ArrayLike = 0.0
-  mask: Mask = None
-  nesterov: bool = False
-  mu_dtype: Optional[Any] = None
-  backend: str = "optax"  # "optax", "offload" or "reference"; see `adamw`.
-
-  def __post_init__(self):
-    _validate.learning_rate("AuxAdam learning_rate", self.learning_rate)
-    _validate.decay_rate("AuxAdam b1", self.b1)
-    _validate.decay_rate("AuxAdam b2", self.b2)
-    _validate.positive("AuxAdam eps", self.eps)
-    _validate.weight_decay("AuxAdam weight_decay", self.weight_decay)
-
-  def transform(self) -> optax.GradientTransformation:
-    return _adamw.adamw(
-        self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
-        weight_decay=self.weight_decay, mask=branch_mask(self.mask),
-        nesterov=self.nesterov, mu_dtype=self.mu_dtype, backend=self.backend)
-
-
-def branch_mask(mask: Mask) -> Mask:
+def _branch_mask(mask: Mask) -> Mask:
   """A mask over the full params, made usable inside an `optax.partition` branch,
   whose params hold `optax.MaskedNode` where the leaf belongs to another branch."""
   if mask is None or callable(mask):
@@ -102,79 +126,73 @@ def branch_mask(mask: Mask) -> Mask:
       lambda m, p: p if _paths.is_masked(p) else m, mask, params, is_leaf=_paths.is_masked)
 
 
+def _aux_branch(adam: Union[AuxAdam, optax.GradientTransformation, None],
+                adam_learning_rate: Optional[ScalarOrSchedule]) -> optax.GradientTransformation:
+  adam = AuxAdam() if adam is None else adam
+  if adam_learning_rate is None:
+    return adam.transform() if isinstance(adam, AuxAdam) else adam
+  _validate.learning_rate("adam_learning_rate", adam_learning_rate)
+  if not isinstance(adam, AuxAdam):
+    raise ValueError("adam_learning_rate= applies to AuxAdam settings, not to a custom adam "
+                     "transform: give that transform its own learning rate.")
+  return dataclasses.replace(adam, learning_rate=adam_learning_rate).transform()
+
+
 def muon(
     learning_rate: ScalarOrSchedule = 0.02,
     *,
     beta: ArrayLike = 0.95,
     nesterov: bool = True,
-    ns: Schedule = DEFAULT_NS,
-    ns_steps: Optional[int] = None,
+    ns: NS = DEFAULT_NS,
     scale: Optional[str] = "jordan",
     weight_decay: ArrayLike = 0.0,
     weight_decay_mask: Mask = None,
     mu_dtype: Optional[Any] = None,
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
-    adam_backend: Optional[str] = None,
     offload_momentum: bool = False,
-    labels: _routing.Labels = None,
-    views: Optional[ViewFn] = None,
-    per_head: bool = False,
-    compute_dtype: Any = "auto",
-    gram: Optional[bool] = None,
-    precondition: Optional[str] = None,
+    routing: Any = None,
     mesh: Optional[Mesh] = None,
-    data_axis: str = "data",
-    routing: Optional[_routing.Routing] = None,
-    rules: Optional[Sequence[_routing.Rule]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden weight matrices, AdamW for everything else, routed by tree path.
 
-  Muon leaves: p ← p − lr·(scale(shape)·NS(momentum) + weight_decay·p).
+  Muon leaves: p ← p − lr·(scale·NS(momentum) + weight_decay·p).
   Other leaves: AdamW with the settings of `adam` (default `AuxAdam()`); leaves
   labelled "frozen" get a zero update.
 
   Args:
-    learning_rate: Muon's learning rate or schedule.
+    learning_rate: Muon's learning rate (≥ 0) or schedule.
     beta, nesterov, mu_dtype: momentum settings (see `scale_by_muon_momentum`).
-    ns, ns_steps: Newton–Schulz preset or (n, 3) schedule, and iterations (None: the
-      preset's; the default "turbo" runs 4 after AOL preconditioning).
-    scale: "jordan", "moonlight" or None (see `scale_by_shape`).
-    weight_decay, weight_decay_mask: decoupled weight decay of the Muon branch.
+    ns: Newton–Schulz settings, a `NewtonSchulz` or a preset name (default "turbo": AOL
+      preconditioning and 4 steps, Gram-space from aspect 2).
+    scale: "jordan" √max(1, fan_out/fan_in), "moonlight" 0.2·√max(fan_in, fan_out),
+      None (see `scale_by_shape`), or "adaptive": ⟨M̂, O⟩ times Jordan's factor, M̂
+      the momentum without its start-up bias (see `scale_by_dual_norm`), as
+      `optax.contrib.muon(adaptive=True)`.
+    weight_decay, weight_decay_mask: decoupled weight decay of the Muon branch; the
+      mask is over the full params, checked at init.
     adam: `AuxAdam` settings, or any optax transform, for the non-Muon leaves.
-    adam_learning_rate: overrides `adam.learning_rate` (a number, scalar array or
-      schedule); unlike a rate inside `AuxAdam`, it can be injected with
-      `optax.inject_hyperparams`, like `learning_rate`.
-    adam_backend: overrides `adam.backend`: "optax", "offload" or "reference" (see
-      `adamw`; `convert_adam_state` moves a state between them).
-    offload_momentum: keep the Muon momentum in host memory between steps (see
+    adam_learning_rate: overrides `adam.learning_rate`; unlike a rate inside `AuxAdam`,
+      `optax.inject_hyperparams` can inject it, like `learning_rate`.
+    offload_momentum: keep the Muon branch's state in host memory between steps (see
       `offload_state`); Newton–Schulz still sees whole matrices on the device.
-    routing: a `Routing` (labels, matrix views and reasons), e.g. from
-      `infer_routing(f, params, *args)`, which reads them from the computation.
-      `describe(params, routing=routing)` shows it.
-    labels: shorthand: a pytree of "muon" / "adam" / "frozen" strings (or a prefix
-      of the params tree, as `optax.partition` takes) or a callable params -> labels.
-    rules: shorthand: name rules, (regex, label) pairs or callables (path, leaf) ->
-      label | None, first match wins. None of routing / labels / rules: the default
-      name rules (`DEFAULT_RULES`), which cannot tell a head named like a hidden
-      layer (Dense_2, out) from one; `infer_routing` can.
-    views, per_head: shorthand: how leaves are seen as matrices (see `default_view`).
-    compute_dtype: dtype of the Newton–Schulz matmul operands (float32 accumulation);
-      "auto" is bfloat16 on GPU/TPU and float32 on CPU.
-    gram: Gram-space Newton–Schulz on, off, or None to choose per matrix shape (see
-      `newton_schulz`).
-    precondition: "frobenius", "aol", or None for the preset's own.
-    mesh, data_axis: orthogonalize whole matrices dealt over the mesh's devices,
-      balanced by flops, instead of on every device (see `state_shardings` for the
-      matching optimizer-state layout).
+    routing: which leaves Muon updates and how each is a matrix: a `Routing` (from
+      `infer_routing`, which reads the computation, or `Routing.from_rules`), or labels
+      as `optax.partition` takes them ("muon" / "adam" / "frozen" per leaf, a prefix of
+      the params tree, or a callable params -> labels). None: the default name rules
+      (`DEFAULT_RULES`), which cannot tell a head named like a hidden layer.
+    mesh: orthogonalize whole matrices dealt over the mesh's devices, balanced by flops,
+      instead of on every device (see `state_shardings` for the state's layout).
 
   Returns:
-    An `optax.GradientTransformationExtraArgs`. Under `optax.inject_hyperparams`
-    pass `static_args=("ns_steps",)` (and any callable option such as `labels`).
+    An `optax.GradientTransformationExtraArgs`. Under `optax.inject_hyperparams` numbers
+    (and an (n, 3) `ns` table) are injectable; pass a callable `routing` in `static_args`.
 
   Raises:
-    ValueError: a learning rate that is not a number, scalar array or schedule; beta
-      outside [0, 1); ns_steps not a positive int; a negative weight decay.
+    ValueError: a learning rate that is negative, NaN, or not a number, scalar array or
+      schedule; beta outside [0, 1); a negative weight decay; bad Newton–Schulz
+      settings. At init: a mask that does not fit the params; a leaf that cannot be
+      updated as routed. At update: gradients that do not fit the params.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, muon_optax as mo
@@ -188,45 +206,101 @@ def muon(
     Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks".
     Liu et al. 2025, "Muon is scalable for LLM training", arXiv 2502.16982.
   """
-  _validate.learning_rate("learning_rate", learning_rate)
-  _validate.decay_rate("beta", beta)
-  _validate.weight_decay("weight_decay", weight_decay)
-  if adam_learning_rate is not None:
-    _validate.learning_rate("adam_learning_rate", adam_learning_rate)
-  routing = _routing.as_routing(routing=routing, labels=labels, rules=rules, views=views,
-                                per_head=per_head)
-  views = routing.view
-  muon_branch = optax.chain(
-      scale_by_muon(beta, nesterov=nesterov, ns=ns, ns_steps=ns_steps, scale=scale,
-                    mu_dtype=mu_dtype, views=views, compute_dtype=compute_dtype,
-                    gram=gram, precondition=precondition, mesh=mesh, data_axis=data_axis),
-      optax.add_decayed_weights(weight_decay, branch_mask(weight_decay_mask)),
-      optax.scale_by_learning_rate(learning_rate),
-  )
-  if offload_momentum:
-    muon_branch = _offload.offload_state(muon_branch)
-  adam = AuxAdam() if adam is None else adam
-  if adam_backend is not None:
-    if not isinstance(adam, AuxAdam):
-      raise ValueError("adam_backend= applies to AuxAdam settings, not to a custom adam transform.")
-    adam = dataclasses.replace(adam, backend=adam_backend)
-  if adam_learning_rate is not None:
-    if not isinstance(adam, AuxAdam):
-      raise ValueError("adam_learning_rate= applies to AuxAdam settings, not to a custom adam "
-                       "transform: give that transform its own learning rate.")
-    adam = dataclasses.replace(adam, learning_rate=adam_learning_rate)
-  adam_branch = adam.transform() if isinstance(adam, AuxAdam) else adam
-  if mesh is not None:  # ZeRO-1: the AdamW updates gathered in one collective, not per leaf
-    adam_branch = with_packed_gather(adam_branch)
-  transforms = {
-      _routing.MUON: muon_branch,
-      _routing.ADAM: adam_branch,
-      _routing.FROZEN: optax.set_to_zero(),
-  }
+  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=scale, mu_dtype=mu_dtype,
+                            routing=routing, mesh=mesh)
+  return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
+                         adam_learning_rate, offload_momentum, routing, mesh)
 
-  def param_labels(params):
-    label_tree = routing.labels(params)
-    _routing.check_labels(label_tree, params, views, tuple(transforms))
-    return label_tree
 
-  return optax.partition(transforms, param_labels)
+def _family_scale(scale: Optional[str]) -> Optional[str]:
+  if scale not in SCALES:
+    raise ValueError(f"scale must be one of {list(SCALES)} here, got {scale!r} (adaptive "
+                     "scaling is muon's: muon(scale='adaptive')).")
+  return scale
+
+
+def normuon(
+    learning_rate: ScalarOrSchedule = 0.02,
+    *,
+    beta: ArrayLike = 0.95,
+    nesterov: bool = True,
+    ns: NS = DEFAULT_NS,
+    scale: Optional[str] = "jordan",
+    b2: ArrayLike = 0.95,
+    weight_decay: ArrayLike = 0.0,
+    weight_decay_mask: Mask = None,
+    mu_dtype: Optional[Any] = None,
+    adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    adam_learning_rate: Optional[ScalarOrSchedule] = None,
+    offload_momentum: bool = False,
+    routing: Any = None,
+    mesh: Optional[Mesh] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """NorMuon: Muon whose orthogonalized update is normalized per output neuron.
+
+  O = NS(momentum); each output neuron (a fan-out index of the matrix view) is divided
+  by the root of an EMA (decay `b2`) of its mean square, and the matrix rescaled to
+  keep ‖O‖_F (`scale_by_second_moment("neurons", rescale="norm")`); then `scale`.
+  Every other argument as in `muon`; the new state (one float32 per neuron) is
+  partitioned by `state_shardings` like the rest.
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+    >>> tx = mo.normuon(0.02, adam=mo.AuxAdam(3e-4))
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    Li et al. 2025, "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491.
+  """
+  direction = optax.chain(
+      scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
+      orthogonalize(ns, routing=routing, mesh=mesh),
+      scale_by_second_moment("neurons", b2=b2, eps=1e-10, rescale="norm", routing=routing),
+      scale_by_shape(_family_scale(scale), routing=routing))
+  return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
+                         adam_learning_rate, offload_momentum, routing, mesh)
+
+
+def adamuon(
+    learning_rate: ScalarOrSchedule = 3e-3,
+    *,
+    beta: ArrayLike = 0.95,
+    nesterov: bool = True,
+    ns: NS = DEFAULT_NS,
+    scale: Optional[str] = "moonlight",
+    b2: ArrayLike = 0.999,
+    weight_decay: ArrayLike = 0.0,
+    weight_decay_mask: Mask = None,
+    mu_dtype: Optional[Any] = None,
+    adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    adam_learning_rate: Optional[ScalarOrSchedule] = None,
+    offload_momentum: bool = False,
+    routing: Any = None,
+    mesh: Optional[Mesh] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """AdaMuon: Muon whose orthogonalized update is normalized element-wise, RMS-aligned.
+
+  O = NS(momentum); each element is divided by the root of an EMA (decay `b2`, debiased)
+  of its square, and the matrix rescaled to the Frobenius norm of a semi-orthogonal
+  matrix, √min(fan_in, fan_out) (`scale_by_second_moment("elements", rescale="rms")`);
+  the default `scale="moonlight"` then gives every matrix the update RMS 0.2 that
+  AdamW has, so AdamW's learning rates transfer. Every other argument as in `muon`;
+  the new state (a float32 per element) is partitioned like the momentum.
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+    >>> tx = mo.adamuon(3e-3, adam=mo.AuxAdam(3e-4))
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    Si, Zhang, Shen 2025, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005.
+  """
+  direction = optax.chain(
+      scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
+      orthogonalize(ns, routing=routing, mesh=mesh),
+      scale_by_second_moment("elements", b2=b2, eps=1e-8, rescale="rms", routing=routing),
+      scale_by_shape(_family_scale(scale), routing=routing))
+  return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
+                         adam_learning_rate, offload_momentum, routing, mesh)

@@ -40,9 +40,9 @@ def convert_adam_state(state: Any, params: Any, to_backend: str, *, branch: str 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> params = {"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
-    >>> state = mo.muon(adam_backend="reference").init(params)
+    >>> state = mo.muon(adam=mo.AuxAdam(backend="reference")).init(params)
     >>> state = mo.convert_adam_state(state, params, "optax")
-    >>> tx = mo.muon(adam_backend="optax")
+    >>> tx = mo.muon(adam=mo.AuxAdam(backend="optax"))
     >>> u, state = tx.update(params, state, params)
   """
   backend = check_backend(to_backend)

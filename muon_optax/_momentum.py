@@ -29,7 +29,8 @@ def scale_by_muon_momentum(
   Args:
     beta: momentum decay β.
     nesterov: output the Nesterov look-ahead.
-    mu_dtype: dtype of the momentum buffer (e.g. jnp.bfloat16); None keeps the params'.
+    mu_dtype: floating dtype of the momentum buffer (e.g. jnp.bfloat16); None keeps the
+      params'.
 
   Returns:
     An `optax.GradientTransformation`; updates keep the gradients' dtype.
@@ -43,7 +44,7 @@ def scale_by_muon_momentum(
     0.19
   """
   _validate.decay_rate("beta", beta)
-  mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+  mu_dtype = _validate.floating_dtype("mu_dtype", mu_dtype)
 
   def init_fn(params):
     return MuonMomentumState(mu=optax.tree.zeros_like(params, dtype=mu_dtype))

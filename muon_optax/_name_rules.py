@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional, Sequence, Union
 
+import jax.numpy as jnp
 import numpy as np
 
 from muon_optax import _paths
@@ -36,6 +37,9 @@ NAME_RULES_CAVEAT = (
 
 def rule_reason(path: str, leaf: Any) -> tuple[Optional[str], str]:
   """The default name rule's (label, reason) for one leaf; label None if no rule fits."""
+  dtype = jnp.result_type(leaf)
+  if not jnp.issubdtype(dtype, jnp.inexact):  # a counter or an index: no step updates it
+    return FROZEN, f"{dtype} → frozen"
   if np.ndim(leaf) < 2:
     return ADAM, "rank < 2"
   for pattern, why in ((_BIAS, "bias"), (_NORM, "norm"), (_EMBED, "embedding"), (_HEAD, "head")):
@@ -47,7 +51,7 @@ def rule_reason(path: str, leaf: Any) -> tuple[Optional[str], str]:
 
 
 def default_rule(path: str, leaf: Any) -> Optional[str]:
-  """The default routing by name: rank < 2, biases, norms (scale, norm, ln_f, LayerNorm_0,
+  """The default routing by name: integer and bool leaves → "frozen"; rank < 2, biases, norms (scale, norm, ln_f, LayerNorm_0,
   ...), embeddings (embedding, wte, tok_embeddings, ...) and heads (lm_head, head,
   classifier, unembed, ...) → "adam"; kernel / weight / w* of rank ≥ 2 → "muon"; else
   None, so that a surprise is an error. Whole path components of the leaf or its module

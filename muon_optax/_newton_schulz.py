@@ -7,9 +7,8 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from muon_optax._ns_plan import (
-    DEFAULT_NS, Schedule, coefficient_schedule, gram_restarts, resolve_compute_dtype,
-    resolve_precision, resolve_precondition, segments, use_gram)
+from muon_optax._ns_plan import newton_schulz_plan
+from muon_optax._ns_settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
 
 
 def _t(x):
@@ -62,18 +61,18 @@ def _standard_iterate(x, r, coeffs, mm, reduce: Reduce = _whole):
   return x
 
 
-def _gram_iterate(x, r, coeffs, mm, mm_f32, restarts, reduce: Reduce = _whole):
+def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, reduce: Reduce = _whole):
   """The same polynomial, carried in Gram space: X_k = Q_k X_0.
 
   With R_k = X_k X_kᵀ and P_k = a I + b R_k + c R_k², one step is X_{k+1} = P_k X_k,
   so Q_{k+1} = P_k Q_k and R_{k+1} = P_k R_k P_k = P_k (P_k R_k) (P_k and R_k commute).
-  Only R_0 = X_0 X_0ᵀ and the final Q X touch the m×n matrix. Before each step in
-  `restarts` the state is rebuilt (X ← Q X, R ← X Xᵀ, Q ← I): rounding in R is
+  Only R_0 = X_0 X_0ᵀ and the final Q X touch the m×n matrix. At the start of each of
+  the (start, stop) `parts` but the first, the state is rebuilt (X ← Q X, R ← X Xᵀ, Q ← I): rounding in R is
   otherwise amplified by ∏ a_k. The m×m products use float32 operands whatever the
   compute dtype. Q is kept as α I + D so that α X is applied exactly, in float32.
   """
   eye = jnp.eye(x.shape[-2], dtype=jnp.float32)
-  for start, stop in segments(len(coeffs), restarts):
+  for start, stop in parts:
     if start:
       x = alpha * x + mm(d, x)
     if start or r is None:
@@ -89,55 +88,36 @@ def _gram_iterate(x, r, coeffs, mm, mm_f32, restarts, reduce: Reduce = _whole):
   return alpha * x + mm(d, x)
 
 
-def newton_schulz(
-    x: jax.Array,
-    *,
-    ns: Schedule = DEFAULT_NS,
-    steps: Optional[int] = None,
-    gram: Optional[bool] = None,
-    compute_dtype="auto",
-    precision="auto",
-    precondition: Optional[str] = None,
-) -> jax.Array:
+def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
   """Approximate orthogonal polar factor U Vᵀ of each matrix in `x`.
 
   On the wide orientation (m ≤ n; transposed when rows > cols), X₀ is G scaled so
   that ‖X₀‖₂ ≤ 1, then X ← a X + b (X Xᵀ) X + c (X Xᵀ)² X with the (a, b, c) rows of
-  `ns`. Singular vectors are kept and each singular value of X₀ follows the scalar map
-  σ ← a σ + b σ³ + c σ⁵ (its band: `PRESETS`). Two scalings (`precondition`):
+  the settings' table. Singular vectors are kept and each singular value of X₀ follows
+  the scalar map σ ← a σ + b σ³ + c σ⁵ (its band: `PRESETS`). Two scalings
+  (`NewtonSchulz.precondition`):
   - "frobenius": X₀ = G / (‖G‖_F · safety);
   - "aol": X₀ = S G with S = diag(1/√Σ_j |(G Gᵀ)_ij|) (Turbo-Muon). It keeps ‖X₀‖₂ ≤ 1
     with a far smaller gap than ‖G‖_F, so the "turbo" preset needs 4 steps. S reweights
     rows, so the result approximates the polar factor of S G, not exactly of G.
 
-  Two exact rewritings of the same polynomial (`gram`):
+  Two exact rewritings of the same polynomial (`NewtonSchulz.gram`):
   - standard: three matmuls per step on the m×n X, 4m²n + 2m³ flops;
   - Gram-space: iterate on the m×m R = X Xᵀ and the accumulated Q (X_k = Q_k X₀),
-    touching X only at the start, at each restart and at the end
-    (`gram_newton_schulz_flops`). Fewer flops when n > 1.5m.
+    touching X only at the start, at each restart and at the end. Fewer flops when
+    n > 1.5m; `newton_schulz_plan` says which runs, where it restarts, and its flops.
 
   Args:
     x: array of shape (..., m, n); leading axes are a batch.
-    ns: a preset ("turbo", "jordan", "polar_express") or an (n, 3) coefficient array.
-      A schedule shorter than `steps` repeats its last row.
-    steps: number of iterations (a Python int); None takes the preset's (a custom
-      table: its row count).
-    gram: True for the Gram-space iteration, False for the standard one, None to
-      choose from the shape and dtype (see `use_gram`).
-    compute_dtype: dtype of the matmul operands, or "auto": bfloat16 on GPU and TPU,
-      float32 on CPU. Products accumulate in float32 and the polynomial is combined in
-      float32; the m×m Gram-space products always use float32 operands.
-    precision: matmul precision, or "auto": HIGHEST on CPU, DEFAULT on accelerators.
-    precondition: "frobenius", "aol", or None for the preset's own.
+    ns: a `NewtonSchulz`, or a preset name ("turbo", "jordan", "polar_express").
 
   Returns:
     Array of x's shape and dtype. Scale-invariant (NS(k·G) = NS(G)); NS(0) = 0.
-    `newton_schulz_plan` says which variant, dtype and precision run.
 
   Example:
     >>> import jax, muon_optax as mo
     >>> g = jax.random.normal(jax.random.key(0), (64, 256))
-    >>> mo.newton_schulz(g, ns="polar_express", steps=5, gram=True).shape
+    >>> mo.newton_schulz(g, mo.NewtonSchulz("polar_express", steps=5, gram=True)).shape
     (64, 256)
 
   References:
@@ -146,21 +126,22 @@ def newton_schulz(
     Boissin et al. 2025, "Turbo-Muon", arXiv 2512.04632.
     Zhang, Amsel, Chen, Dao 2026, "Gram Newton-Schulz" (blog, tridao.me).
   """
+  ns = as_newton_schulz(ns)
   if x.ndim < 2:
     raise ValueError(f"newton_schulz needs an array of shape (..., m, n), got {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"newton_schulz needs a floating array, got {x.dtype}")
   tall = x.shape[-2] > x.shape[-1]
-  out = _orthogonalize_wide(_t(x) if tall else x, (min(x.shape[-2:]), max(x.shape[-2:])),
-                            _whole, ns=ns, steps=steps, gram=gram, compute_dtype=compute_dtype,
-                            precision=precision, precondition=precondition)
+  wide = _t(x) if tall else x
+  if ns.fn is not None:  # a custom function takes a (count, m, n) stack
+    out = ns.fn(wide.reshape(-1, *wide.shape[-2:])).reshape(wide.shape)
+  else:
+    out = _orthogonalize_wide(wide, wide.shape[-2:], _whole, ns)
   return _t(out) if tall else out
 
 
-def newton_schulz_column_parts(
-    x: jax.Array, parts: int, reduce: Reduce, *, ns: Schedule = DEFAULT_NS,
-    steps: Optional[int] = None, gram: Optional[bool] = None, compute_dtype="auto",
-    precision="auto", precondition: Optional[str] = None) -> jax.Array:
+def newton_schulz_column_parts(x: jax.Array, parts: int, reduce: Reduce,
+                               ns: NS = DEFAULT_NS) -> jax.Array:
   """`newton_schulz` of wide matrices whose columns are split into `parts` equal parts
   (one per device): `x` is this device's (..., m, n / parts) part, and
   `reduce(partial, op)` combines a per-part result over the parts (op `jnp.add` or
@@ -168,20 +149,14 @@ def newton_schulz_column_parts(
   the iteration is column-local, so each part of the result is that part of the whole
   matrix's result, with the same variant and settings as `newton_schulz` picks."""
   m, cols = x.shape[-2:]
-  return _orthogonalize_wide(x, (m, cols * parts), reduce, ns=ns, steps=steps, gram=gram,
-                             compute_dtype=compute_dtype, precision=precision,
-                             precondition=precondition)
+  return _orthogonalize_wide(x, (m, cols * parts), reduce, as_newton_schulz(ns))
 
 
-def _orthogonalize_wide(x, shape, reduce: Reduce, *, ns, steps, gram, compute_dtype,
-                        precision, precondition):
+def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz):
   """The iteration on wide (m ≤ n) matrices of logical (m, n) `shape`."""
-  cdt = resolve_compute_dtype(compute_dtype)
-  precision = resolve_precision(precision)
-  if gram not in (None, True, False):
-    raise ValueError(f"gram must be True, False or None (automatic), got {gram!r}")
-  precondition = resolve_precondition(ns, precondition)
-  coeffs, safety = coefficient_schedule(ns, steps)
+  plan = newton_schulz_plan(shape, ns)
+  cdt, precision = jnp.dtype(plan.compute_dtype), jax.lax.Precision[plan.precision]
+  coeffs = ns.coefficients()
   # Scale in at least float32 so that scale invariance holds for 16-bit inputs too.
   acc = jnp.promote_types(x.dtype, jnp.float32)
 
@@ -190,14 +165,13 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, *, ns, steps, gram, compute_dt
                       preferred_element_type=acc)
 
   out, r = x.astype(acc), None
-  if precondition == "aol":
+  if plan.precondition == "aol":
     out = _peak_normalize(out, reduce)
     out, r = _aol(out, reduce(mm(out, _t(out)), jnp.add))
   else:
-    out = _frobenius_normalize(out, safety, reduce)
-  if use_gram(*shape, len(coeffs), gram, cdt):
-    out = _gram_iterate(out, r, coeffs, mm, lambda a, b: mm(a, b, acc),
-                        gram_restarts(cdt, len(coeffs)), reduce)
+    out = _frobenius_normalize(out, ns.safety(), reduce)
+  if plan.variant == "gram":
+    out = _gram_iterate(out, r, coeffs, mm, lambda a, b: mm(a, b, acc), plan.segments, reduce)
   else:
     out = _standard_iterate(out, r, coeffs, mm, reduce)
   return out.astype(x.dtype)

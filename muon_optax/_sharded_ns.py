@@ -32,8 +32,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._ns_plan import gram_restarts, newton_schulz_flops, segments, use_gram
-from muon_optax._state_sharding import check_data_axis, spec_axes
+from muon_optax._ns_plan import newton_schulz_plan
+from muon_optax._ns_settings import DEFAULT_NS, NewtonSchulz
+from muon_optax._state_sharding import spec_axes
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
 SplitOk = Callable[[Item, int], bool]
@@ -49,28 +50,29 @@ class Round(NamedTuple):
   split: int = 1
 
 
-def split_flops(rows: int, cols: int, split: int, steps: int) -> int:
+def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols) matrix
   split over `split` devices: products with X are split, the rows×rows work is not."""
-  whole = newton_schulz_flops(rows, cols, steps)
-  touches = (len(segments(steps, gram_restarts("auto", steps))) if use_gram(rows, cols, steps)
-             else steps)
-  on_x = 4 * rows * rows * cols * touches
-  return whole - on_x + on_x // split
+  plan = newton_schulz_plan((rows, cols), ns)
+  return plan.flops - plan.x_flops + plan.x_flops // split
 
 
-def _split_of(members, rows, cols, devices, steps, split_ok) -> int:
+def _flops(rows: int, cols: int, ns: NewtonSchulz) -> int:
+  return newton_schulz_plan((rows, cols), ns).flops
+
+
+def _split_of(members, rows, cols, devices, ns, split_ok) -> int:
   """The largest split that fits a round of `members` matrices and saves flops."""
   best, g = 1, 2
   while len(members) * g <= devices and devices % g == 0:
     if cols % g == 0 and all(split_ok(item, g) for item in members):
-      if split_flops(rows, cols, g, steps) < newton_schulz_flops(rows, cols, steps):
+      if split_flops(rows, cols, g, ns) < _flops(rows, cols, ns):
         best = g
     g *= 2
   return best
 
 
-def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, steps: int = 5,
+def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz = DEFAULT_NS,
                 split_ok: Optional[SplitOk] = None) -> list[Round]:
   """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
 
@@ -89,23 +91,24 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, steps: int = 5
     rounds += [Round(rows, cols, tuple(items[s:s + devices])) for s in range(0, full, devices)]
     leftovers += [((rows, cols), item) for item in items[full:]]
   # Largest first, so each shared round pads its members as little as possible.
-  leftovers.sort(key=lambda e: -newton_schulz_flops(*e[0], 1))
+  leftovers.sort(key=lambda e: -_flops(*e[0], ns))
   for start in range(0, len(leftovers), devices):
     chunk = leftovers[start:start + devices]
     rows = max(shape[0] for shape, _ in chunk)
     cols = max(shape[1] for shape, _ in chunk)
     members = [item for _, item in chunk]
-    g = _split_of(members, rows, cols, devices, steps, split_ok)
+    g = _split_of(members, rows, cols, devices, ns, split_ok)
     slots = tuple(item for item in members for _ in range(g))
     rounds.append(Round(rows, cols, slots + (None,) * (devices - len(slots)), g))
   return rounds
 
 
-def per_device_flops(shapes: list[tuple[int, int, int]], devices: int, steps: int) -> int:
+def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
+                     ns: NewtonSchulz = DEFAULT_NS) -> int:
   """Newton–Schulz flops each device runs under `plan_rounds`."""
-  return sum(newton_schulz_flops(r.rows, r.cols, steps) if r.split == 1
-             else split_flops(r.rows, r.cols, r.split, steps)
-             for r in plan_rounds(shapes, devices, steps))
+  return sum(_flops(r.rows, r.cols, ns) if r.split == 1
+             else split_flops(r.rows, r.cols, r.split, ns)
+             for r in plan_rounds(shapes, devices, ns))
 
 
 class Layout(NamedTuple):
@@ -171,7 +174,7 @@ def _group_reduce(x, op, g: int, axes, n: int):
 
 
 def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
-              outs: list[Layout], gather: bool, steps: int):
+              outs: list[Layout], gather: bool, cost: NewtonSchulz):
   """The per-device body: pack, all-to-all, reassemble, Newton–Schulz, send back."""
   axes, n, sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
 
@@ -180,7 +183,7 @@ def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
     return (split_ns is not None and ins[i].block[1] % g == 0
             and (gather or outs[i].grid[1] == ins[i].grid[1]))
 
-  rounds = plan_rounds(shapes, n, steps, split_ok)
+  rounds = plan_rounds(shapes, n, cost, split_ok)
   dtype = jnp.result_type(*dtypes)
   piece = lambda i, g: math.ceil(math.prod(ins[i].block) // g / ins[i].replicas)
   where = {}  # item -> (round, its first device)
@@ -291,15 +294,14 @@ def is_explicit(mesh: Mesh) -> bool:
   return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axis: str, *,
-                   split_fn: Optional[Callable] = None, steps: int = 5):
+def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, *,
+                   split_fn: Optional[Callable] = None, cost: NewtonSchulz = DEFAULT_NS):
   """A solver for `orthogonalize_leaves` that runs `ns_fn` on whole matrices dealt
   over the mesh, with one packed exchange in and one out (see the module doc).
   `split_fn(x, parts, reduce)` (`newton_schulz_column_parts` with `ns_fn`'s settings)
   runs matrices split by columns over several devices; without it every matrix is
-  orthogonalized whole. `steps` sizes the flop estimates that balance the work.
-  Matrices are dealt over every device of the mesh, whatever axis `data_axis` names."""
-  check_data_axis(mesh, data_axis)
+  orthogonalized whole. `cost` (the settings `ns_fn` runs) sizes the flop estimates
+  that balance the work. Matrices are dealt over every device of the mesh."""
   split_ns = None if split_fn is None else (
       lambda x, g, axes, n: split_fn(x, g, lambda v, op: _group_reduce(v, op, g, axes, n)))
 
@@ -310,7 +312,7 @@ def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, data_axi
     outs = [layout_of(r.sharding, s, mesh_) for r, s in zip(result_shape, shapes)]
     gather = all(lay.grid == (1, 1) for lay in outs)
     lower = _exchange(ns_fn, split_ns, mesh_, shapes, [a.dtype for a in args], ins, outs,
-                      gather, steps)
+                      gather, cost)
     named = lambda layouts: [NamedSharding(mesh_, lay.spec) for lay in layouts]
     return mesh_, lower, named(outs), (named(ins),)
 

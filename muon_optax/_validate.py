@@ -1,8 +1,10 @@
-"""Build-time checks of optimizer hyperparameters, so a bad value fails where it is passed.
+"""Checks of optimizer settings and inputs, so a bad value fails where it is passed with
+a message that names it.
 
-Only concrete Python and NumPy numbers have their range checked. A `jax.Array` passes
-unchecked: under `optax.inject_hyperparams` (or inside `jit`) the values are arrays or
-tracers, whose contents cannot be inspected without a device sync or at all.
+Concrete numbers (Python, NumPy, and jax arrays that are not traced) have their range
+checked when the optimizer is built. A traced value cannot be: under
+`optax.inject_hyperparams` (or inside `jit`) hyperparameters arrive as tracers, whose
+contents are unknown until the step runs.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import numpy as np
 
 
 def _concrete(name: str, value: Any, what: str) -> Any:
-  """The value as a Python/NumPy number, None for a jax array, or a ValueError."""
-  if isinstance(value, jax.Array):
+  """The value as a Python/NumPy number, None for a traced one, or a ValueError."""
+  if isinstance(value, jax.core.Tracer):
     return None  # traced or injected: range unknown at build time
+  if isinstance(value, jax.Array):
+    value = np.asarray(value)
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value[()]
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -26,15 +30,18 @@ def _concrete(name: str, value: Any, what: str) -> Any:
 
 
 def learning_rate(name: str, value: Any) -> Any:
-  """A finite number, a jax/numpy scalar array, or a schedule (a callable of the step)."""
+  """A finite number ≥ 0, a jax/numpy scalar array, or a schedule (a callable of the step).
+
+  A negative rate climbs the loss; a traced one (injected) is not checked."""
   if callable(value):
     return value
-  if isinstance(value, np.ndarray) and value.ndim:
+  if isinstance(value, (np.ndarray, jax.Array)) and value.ndim:
     raise ValueError(f"{name} must be a scalar or a schedule, got an array of shape "
                      f"{value.shape}.")
   x = _concrete(name, value, "a number, a scalar array or a schedule (a callable of the step)")
-  if x is not None and not np.isfinite(x):
-    raise ValueError(f"{name} must be finite, got {value!r}.")
+  if x is not None and not (np.isfinite(x) and x >= 0):
+    raise ValueError(f"{name} must be a finite number ≥ 0, got {value!r}: a negative rate "
+                     "ascends the loss, a NaN or infinite one destroys the params.")
   return value
 
 
@@ -63,3 +70,17 @@ def positive(name: str, value: Any) -> Any:
   if x is not None and not (np.isfinite(x) and x > 0):
     raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
   return value
+
+
+def floating_dtype(name: str, value: Any) -> Any:
+  """None, or a floating dtype (a state buffer of another dtype would stay zero)."""
+  if value is None:
+    return None
+  try:
+    dtype = jax.dtypes.canonicalize_dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+    raise ValueError(f"{name} must be None or a floating dtype such as jnp.bfloat16, got "
+                     f"{value!r}.")
+  return dtype

@@ -4,7 +4,7 @@ the float64 references and error bounds that Newton–Schulz tolerances come fro
 import jax
 import numpy as np
 
-from muon_optax._ns_plan import coefficient_schedule
+import muon_optax as mo
 
 
 def assert_trees_close(actual, expected, *, rtol: float, atol: float) -> None:
@@ -34,7 +34,7 @@ def rel(a, b):
   return np.linalg.norm(a - b, axis=(-2, -1)) / np.linalg.norm(b, axis=(-2, -1))
 
 
-def float32_bound(ns="turbo", steps=None):
+def float32_bound(ns="turbo"):
   """A priori relative error of one float32 evaluation of the polynomial.
 
   Every step rounds at relative size ~eps32, and the later steps amplify a perturbation
@@ -42,5 +42,5 @@ def float32_bound(ns="turbo", steps=None):
   steepest point), so steps · eps32 · ∏|a_k| bounds the relative Frobenius error of any
   float32 evaluation against float64 on any machine.
   """
-  coeffs, _ = coefficient_schedule(ns, steps)
+  coeffs = np.asarray(mo._ns_settings.as_newton_schulz(ns).coefficients())
   return len(coeffs) * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))

@@ -49,9 +49,9 @@ MASK = {"embed": {"embedding": True}, "mlp_in": {"kernel": True, "bias": False},
 
 def make_tx(backend, *, nesterov=True, offload_momentum=False):
   adam = mo.AuxAdam(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, 100), weight_decay=
-                    optax.linear_schedule(0.1, 0.01, 100), mask=MASK, nesterov=nesterov)
-  return mo.muon(0.02, weight_decay=0.01, adam=adam, adam_backend=backend,
-                 offload_momentum=offload_momentum)
+                    optax.linear_schedule(0.1, 0.01, 100), mask=MASK, nesterov=nesterov,
+                    backend=backend)
+  return mo.muon(0.02, weight_decay=0.01, adam=adam, offload_momentum=offload_momentum)
 
 
 # Every arm: (backend, offload_momentum).

@@ -48,7 +48,7 @@ def test_standalone_backends_equal_optax_adamw(nesterov):
   sched = optax.linear_schedule(1e-2, 1e-3, 20)
   grads = jax.tree.map(lambda p: jnp.cos(p) + 0.5, params)
   txs = [optax.adamw(sched, weight_decay=0.1, mask=MASK, nesterov=nesterov)] + [
-      mo.adamw(sched, weight_decay=0.1, mask=MASK, nesterov=nesterov, backend=b)
+      mo.AuxAdam(sched, weight_decay=0.1, mask=MASK, nesterov=nesterov, backend=b).transform()
       for b in mo.BACKENDS]
   expected, *results = run(txs, params, grads, 3)
   for result in results:  # params of magnitude ≲ 4: a few float32 roundings of them
@@ -69,7 +69,7 @@ def test_complex_leaves_match_optax_adamw(nesterov):
   params, grads = complex_case()
   sched = optax.linear_schedule(1e-2, 1e-3, 20)
   txs = [optax.adamw(sched, weight_decay=0.1, nesterov=nesterov)] + [
-      mo.adamw(sched, weight_decay=0.1, nesterov=nesterov, backend=b) for b in mo.BACKENDS]
+      mo.AuxAdam(sched, weight_decay=0.1, nesterov=nesterov, backend=b).transform() for b in mo.BACKENDS]
   expected, *results = run(txs, params, grads, 3)
   scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(params))
   for backend, result in zip(mo.BACKENDS, results):
@@ -88,7 +88,7 @@ def test_complex_first_step_is_the_unit_phase(backend):
   b1, b2 = (float(np.float32(b)) for b in (0.9, 0.999))
   m_hat, v_hat = (1 - 0.9) * g / (1 - b1), (1 - 0.999) * np.abs(g) ** 2 / (1 - b2)
   expected = -0.1 * m_hat / (np.sqrt(v_hat) + 1e-8)
-  tx = mo.adamw(0.1, backend=backend)
+  tx = mo.AuxAdam(0.1, backend=backend).transform()
   p = {"z": jnp.ones(3, jnp.complex64)}
   u, state = tx.update({"z": jnp.asarray(g, jnp.complex64)}, tx.init(p), p)
   np.testing.assert_allclose(np.asarray(u["z"]), expected, rtol=4 * EPS32)
@@ -101,7 +101,7 @@ def test_complex_parabola_converges_to_its_minimum():
   """f(z) = |z − (1 + 1j)|²; the steepest-descent direction is conj(jax.grad(f))."""
   target = jnp.array([1 + 1j, 1 + 1j], jnp.complex64)
   loss = lambda p: jnp.sum(jnp.abs(p["z"] - target) ** 2)
-  txs = [optax.adamw(0.05, weight_decay=0.0)] + [mo.adamw(0.05, backend=b) for b in mo.BACKENDS]
+  txs = [optax.adamw(0.05, weight_decay=0.0)] + [mo.AuxAdam(0.05, backend=b).transform() for b in mo.BACKENDS]
 
   @jax.jit
   def solve():
@@ -126,7 +126,7 @@ def test_mixed_dtypes_and_bfloat16_moments():
   params = {"a": jnp.linspace(-1, 1, 12, dtype=jnp.bfloat16).reshape(3, 4),
             "b": jnp.linspace(0, 1, 5, dtype=jnp.float32), "c": jnp.ones(7, jnp.bfloat16)}
   grads = jax.tree.map(lambda p: jnp.cos(p * 3), params)
-  txs = {b: mo.adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.bfloat16, backend=b) for b in mo.BACKENDS}
+  txs = {b: mo.AuxAdam(1e-2, weight_decay=0.1, mu_dtype=jnp.bfloat16, backend=b).transform() for b in mo.BACKENDS}
 
   @jax.jit
   def two_steps():
@@ -157,12 +157,12 @@ class FlatAdamState(NamedTuple):  # the "flat" layout of earlier releases
 
 def test_backend_names_and_state_layouts_are_checked():
   with pytest.raises(ValueError, match=r"unknown AdamW backend 'fused'; use one of \('optax'"):
-    mo.adamw(backend="fused")
+    mo.AuxAdam(backend="fused").transform()
   for removed in ("flat", "auto"):
     with pytest.raises(ValueError, match=rf"AdamW backend '{removed}' was removed .*use 'optax'"):
-      mo.adamw(backend=removed)
+      mo.AuxAdam(backend=removed).transform()
     with pytest.raises(ValueError, match=rf"'{removed}' was removed"):
-      mo.muon(adam_backend=removed)
+      mo.muon(adam=mo.AuxAdam(backend=removed))
   params = make_params()
   grads = jax.tree.map(jnp.ones_like, params)
   state = make_tx("reference").init(params)
@@ -174,4 +174,4 @@ def test_backend_names_and_state_layouts_are_checked():
   flat = FlatAdamState(jnp.zeros([], jnp.int32), buffers, buffers)
   p = {"b": jnp.ones(3), "w": jnp.ones((2, 3))}
   with pytest.raises(ValueError, match="'flat' was removed.*FlatAdamState cannot be read"):
-    mo.adamw(backend="reference").update(p, flat, p)
+    mo.AuxAdam(backend="reference").transform().update(p, flat, p)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_trees_close
+from _helpers import assert_trees_close, float32_bound
 
 import muon_optax as mo
 
@@ -82,7 +82,7 @@ def flat(tree):
 
 def test_multi_step_equality_with_plain_reference():
   params = make_params()
-  tx = mo.muon(0.05, ns="jordan", ns_steps=5, weight_decay=0.1,
+  tx = mo.muon(0.05, ns=mo.NewtonSchulz("jordan", steps=5), weight_decay=0.1,
               adam=mo.AuxAdam(learning_rate=1e-2))
   ref = PlainMuonAdamW(0.05, 1e-2, wd=0.1)
   state, ref_params = tx.init(params), flat(params)
@@ -104,11 +104,10 @@ def test_grouped_orthogonalization_equals_per_leaf():
           "d": {"kernel": jax.random.normal(ks[3], (8, 8))}}
   tx = mo.orthogonalize("polar_express")
   out, _ = jax.jit(tx.update)(tree, tx.init(tree))
-  expected = jax.tree.map(lambda x: mo.newton_schulz(x, ns="polar_express"), tree)
+  expected = jax.tree.map(lambda x: mo.newton_schulz(x, "polar_express"), tree)
   # A batched matmul may round differently from a single one. Each float32 result is
   # within steps · eps32 · ∏|a_k| (relative) of the exact polynomial: allow twice that.
-  coeffs, _ = mo._ns_plan.coefficient_schedule("polar_express", 5)
-  bound = 5 * np.finfo(np.float32).eps * np.prod(np.abs(coeffs[:, 0]))
+  bound = float32_bound("polar_express")
   for name in tree:
     o, e = np.asarray(out[name]["kernel"], np.float64), np.asarray(expected[name]["kernel"])
     assert np.linalg.norm(o - e) < 2 * bound * np.linalg.norm(e), name
@@ -167,9 +166,10 @@ def test_converges_on_a_quadratic():
 
 def test_inject_hyperparams_gives_the_same_results():
   params = make_params()
-  plain = mo.muon(0.03, beta=0.9, weight_decay=0.01, ns_steps=5)
-  injected = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(
-      learning_rate=0.03, beta=0.9, weight_decay=0.01, ns_steps=5)
+  ns = mo.NewtonSchulz("jordan", steps=5)
+  plain = mo.muon(0.03, beta=0.9, weight_decay=0.01, ns=ns)
+  injected = optax.inject_hyperparams(mo.muon)(learning_rate=0.03, beta=0.9, weight_decay=0.01,
+                                               ns=ns)
   s1, s2 = plain.init(params), injected.init(params)
   p1 = p2 = params
   for step in range(3):
@@ -242,11 +242,13 @@ def test_weight_decay_mask_pytree_and_frozen_label():
   mask = jax.tree.map(lambda _: False, params)
   mask["proj"]["kernel"] = True
   labels = [(r"^blocks/", "frozen"), *mo.DEFAULT_RULES]
-  tx = mo.muon(0.0, weight_decay=0.5, weight_decay_mask=mask, rules=labels)
+  tx = mo.muon(0.0, weight_decay=0.5, weight_decay_mask=mask,
+               routing=mo.Routing.from_rules(labels))
   u, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   assert float(jnp.abs(u["blocks"]["mlp"]["kernel"]).max()) == 0
   assert float(jnp.abs(u["proj"]["kernel"]).max()) == 0  # lr 0 scales the decay too
-  tx = mo.muon(1.0, weight_decay=0.5, weight_decay_mask=mask, rules=labels)
+  tx = mo.muon(1.0, weight_decay=0.5, weight_decay_mask=mask,
+               routing=mo.Routing.from_rules(labels))
   u, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   np.testing.assert_allclose(u["proj"]["kernel"], -0.5 * params["proj"]["kernel"], atol=1e-7)
   assert float(jnp.abs(u["blocks"]["mlp"]["kernel"]).max()) == 0
@@ -272,7 +274,7 @@ def test_muon_state_is_one_buffer_per_matrix():
 def test_ns_preset_does_not_change_state_structure():
   params = make_params()
   a = jax.tree.structure(mo.muon(ns="jordan").init(params))
-  b = jax.tree.structure(mo.muon(ns="polar_express", ns_steps=8).init(params))
+  b = jax.tree.structure(mo.muon(ns=mo.NewtonSchulz("polar_express", steps=8)).init(params))
   assert a == b
 
 
@@ -289,14 +291,15 @@ def test_bad_options_fail_at_construction(kwargs, match):
 def test_bad_labels_name_the_path():
   params = make_params()
   with pytest.raises(ValueError, match="'ln/scale'.*no matrix view"):
-    mo.muon(rules=[(r"ln/scale", "muon"), *mo.DEFAULT_RULES]).init(params)
+    mo.muon(routing=mo.Routing.from_rules([(r"ln/scale", "muon"), *mo.DEFAULT_RULES])).init(params)
   with pytest.raises(ValueError, match="'proj/kernel'.*label 'sgd'.*no transform"):
-    mo.muon(rules=[(r"proj", "sgd"), *mo.DEFAULT_RULES]).init(params)
+    mo.muon(routing=mo.Routing.from_rules([(r"proj", "sgd"), *mo.DEFAULT_RULES])).init(params)
   with pytest.raises(ValueError, match="no routing rule places parameter 'blocks/mlp/bias'"):
-    mo.muon(rules=[(r"kernel", "muon"), (r"embed", "adam")]).init(params)
+    mo.muon(routing=mo.Routing.from_rules([(r"kernel", "muon"), (r"embed", "adam")])).init(params)
   int_params = {"count": {"kernel": jnp.zeros((4, 4), jnp.int32)}}
-  with pytest.raises(ValueError, match="'count/kernel'.*int32"):
-    mo.muon().init(int_params)
+  for label in ("muon", "adam"):
+    with pytest.raises(ValueError, match=f"'count/kernel' is labelled '{label}'.*int32.*frozen"):
+      mo.muon(routing={"count": label}).init(int_params)
   complex_params = {"z": {"kernel": jnp.zeros((4, 4), jnp.complex64)}}
   with pytest.raises(ValueError, match="'z/kernel'.*complex64"):
     mo.muon().init(complex_params)

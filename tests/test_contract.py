@@ -48,7 +48,8 @@ class Case:
   rosenbrock: dict
   matrices_only: bool = False  # it sees every leaf as a matrix, so no vector leaf
   static_args: tuple = ()  # what `optax.inject_hyperparams` must keep static
-  # Plain (momentum) gradient descent: Rosenbrock's valley is ~2500 times more curved
+  # Plain (momentum) gradient descent, and steps scaled by the gradient's size (the dual
+  # norm): Rosenbrock's valley is ~2500 times more curved
   # across than along at the minimum, so a stable step (≤ 2/1000) needs ~10⁴ steps to
   # walk it. These cases assert a large decrease instead of convergence.
   gradient_descent: bool = False
@@ -63,10 +64,37 @@ class Case:
     return self.factory(**rates)
 
 
+def _aux_adam(backend: str):
+  def adamw(learning_rate):
+    return mo.AuxAdam(learning_rate, backend=backend).transform()
+  return adamw
+
+
+def _adaptive_muon(learning_rate, adam_learning_rate):
+  return mo.muon(learning_rate, scale="adaptive", adam_learning_rate=adam_learning_rate)
+
+
+def _normalized():
+  return optax.chain(mo.orthogonalize(), mo.scale_by_second_moment("elements"))
+
+
+def _dual_norm():
+  return mo.scale_by_dual_norm(mo.orthogonalize())
+
+
 MUON_RATES = dict(parabola={"learning_rate": 0.1, "adam_learning_rate": 0.1},
                   rosenbrock={"learning_rate": 0.03, "adam_learning_rate": 0.3})
 CASES = [
-    Case("muon", mo.muon, **MUON_RATES, static_args=("ns_steps",)),
+    Case("muon", mo.muon, **MUON_RATES),
+    Case("normuon", mo.normuon, **MUON_RATES),
+    Case("adamuon", mo.adamuon, {"learning_rate": 0.5, "adam_learning_rate": 0.1},
+         {"learning_rate": 0.15, "adam_learning_rate": 0.3}),
+    Case("muon(scale='adaptive')", _adaptive_muon, {"learning_rate": 0.05, "adam_learning_rate": 0.1},
+         {"learning_rate": 1e-3, "adam_learning_rate": 0.3}, gradient_descent=True),
+    Case("scale_by_second_moment", _chain(_normalized), {"learning_rate": 0.1},
+         {"learning_rate": 0.03}, matrices_only=True),
+    Case("scale_by_dual_norm", _chain(_dual_norm), {"learning_rate": 0.05},
+         {"learning_rate": 1e-3}, matrices_only=True, gradient_descent=True),
     Case("scale_by_muon", _chain(mo.scale_by_muon), {"learning_rate": 0.1},
          {"learning_rate": 0.03}, matrices_only=True),
     Case("scale_by_muon_momentum", _chain(mo.scale_by_muon_momentum), {"learning_rate": 0.3},
@@ -75,7 +103,7 @@ CASES = [
          {"learning_rate": 0.03}, matrices_only=True),
     Case("scale_by_shape", _chain(mo.scale_by_shape), {"learning_rate": 0.1},
          {"learning_rate": 2e-3}, matrices_only=True, gradient_descent=True),
-    *[Case(f"adamw_{b}", functools.partial(mo.adamw, backend=b), {"learning_rate": 0.1},
+    *[Case(f"AuxAdam({b!r})", _aux_adam(b), {"learning_rate": 0.1},
            {"learning_rate": 0.3}, commit_params=b == "offload") for b in mo.BACKENDS],
     Case("offload_state(muon)", _offloaded_muon, **MUON_RATES, commit_params=True),
 ]

@@ -47,12 +47,12 @@ def test_conversion_inside_a_chain_standalone_and_any_partition():
   assert isinstance(state[1].inner_states["adam"].inner_state, optax.ScaleByAdamState)
   moments = state[1].inner_states["adam"].inner_state.mu
   assert moments["norm"]["scale"].sharding.memory_kind == "device"
-  converted = mo.convert_adam_state(mo.adamw(1e-3).init(params), params, "reference")
+  converted = mo.convert_adam_state(mo.AuxAdam(1e-3).transform().init(params), params, "reference")
   assert isinstance(converted, ReferenceAdamState)
   assert converted.mu["mlp_in"]["kernel"].shape == (D, HIDDEN)
   labels = jax.tree.map(lambda p: "vec" if p.ndim == 1 else "mat", params)
   part = optax.partition(
-      {"vec": mo.adamw(1e-3, backend="reference"), "mat": optax.sgd(0.1)}, labels)
+      {"vec": mo.AuxAdam(1e-3, backend="reference").transform(), "mat": optax.sgd(0.1)}, labels)
   converted = mo.convert_adam_state(part.init(params), params, "offload", branch="vec")
   moments = converted.inner_states["vec"].inner_state.mu
   assert moments["mlp_in"]["bias"].sharding.memory_kind == "pinned_host"
@@ -63,7 +63,7 @@ def test_optax_adamw_chain_state_is_migrated():
   """A state written by muon(adam=optax.adamw(...)) continues under any backend."""
   params = make_params()
   legacy = mo.muon(0.02, adam=optax.adamw(1e-3, weight_decay=0.1))
-  new = mo.muon(0.02, adam=mo.AuxAdam(1e-3, weight_decay=0.1), adam_backend="reference")
+  new = mo.muon(0.02, adam=mo.AuxAdam(1e-3, weight_decay=0.1, backend="reference"))
   grads = jax.tree.map(jnp.sin, params)
 
   @jax.jit

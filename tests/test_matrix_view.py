@@ -50,8 +50,9 @@ def test_negative_view_axes(shape):
   m = negative.to_matrices(x)
   np.testing.assert_array_equal(m, np.transpose(np.asarray(x), (0, 2, 1)))
   np.testing.assert_array_equal(negative.from_matrices(m, shape), x)
-  a, _ = mo.orthogonalize(views=lambda p, s: negative).update({"w": x}, optax.EmptyState())
-  b, _ = mo.orthogonalize(views=lambda p, s: positive).update({"w": x}, optax.EmptyState())
+  routing = lambda view: mo.Routing.from_rules([(".*", "muon")], views=lambda p, s: view)
+  a, _ = mo.orthogonalize(routing=routing(negative)).update({"w": x}, optax.EmptyState())
+  b, _ = mo.orthogonalize(routing=routing(positive)).update({"w": x}, optax.EmptyState())
   np.testing.assert_array_equal(a["w"], b["w"])
   with pytest.raises(ValueError, match="exactly once"):
     mo.MatrixView((0,), (-1,), (2,)).matrix_shape(shape)

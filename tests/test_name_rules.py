@@ -19,7 +19,7 @@ def test_user_rules_first_match_wins_and_callable_labels():
   params = {"a": {"kernel": jnp.zeros((4, 4))}, "b": {"kernel": jnp.zeros((4, 4))}}
   assert labels_by_path(params, rules=[(r"^a/", "frozen"), (r".*", "muon")]) == {
       "a/kernel": "frozen", "b/kernel": "muon"}
-  tx = mo.muon(0.1, labels=lambda p: jax.tree.map(lambda _: "adam", p))
+  tx = mo.muon(0.1, routing=lambda p: jax.tree.map(lambda _: "adam", p))
   u, _ = tx.update(params, tx.init(params), params)
   adam = optax.adamw(3e-4)
   ua, _ = adam.update(params, adam.init(params), params)
@@ -45,6 +45,22 @@ def test_name_rules_match_whole_path_components(path, label):
   assert mo.DEFAULT_RULES[0](path, jnp.zeros((4, 4))) == label
 
 
+def test_integer_and_bool_leaves_are_frozen_and_say_why():
+  params = {"step": jnp.zeros((), jnp.int32), "mask": {"kernel": jnp.ones((4, 4), bool)},
+            "ids": {"weight": jnp.arange(8).reshape(2, 4)}, "mlp": {"kernel": jnp.ones((4, 4))}}
+  assert labels_by_path(params) == {"step": "frozen", "mask/kernel": "frozen",
+                                    "ids/weight": "frozen", "mlp/kernel": "muon"}
+  table = mo.describe(params)
+  assert "int32 → frozen" in table and "bool → frozen" in table
+  tx = mo.muon(0.1)
+  u, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+  new = optax.apply_updates(params, u)
+  for path in ("step", "mask/kernel", "ids/weight"):
+    got = dict(leaves_with_path(new))[path]
+    want = dict(leaves_with_path(params))[path]
+    assert got.dtype == want.dtype and np.array_equal(got, want), path
+
+
 def test_name_rules_see_any_rank_4_leaf_as_a_conv_kernel():
   view = mo.default_view("layers/0/kernel", (3, 3, 8, 16))
   assert view == mo.MatrixView((), (0, 1, 2), (3,))
@@ -53,6 +69,6 @@ def test_name_rules_see_any_rank_4_leaf_as_a_conv_kernel():
 
 def test_a_bad_regex_names_the_rule():
   with pytest.raises(ValueError, match=r"routing rule \('\[', 'adam'\) has a bad regex"):
-    mo.muon(rules=[("[", "adam")])
+    mo.Routing.from_rules([("[", "adam")])
   with pytest.raises(ValueError, match=r"routing rule 'adam' must be"):
     mo.label_params({"w": jnp.zeros((2, 2))}, rules=["adam"])

@@ -8,16 +8,9 @@ import pytest
 import muon_optax as mo
 from _helpers import float32_bound, polar, rel, singular_values
 from muon_optax._newton_schulz import newton_schulz_column_parts
-from muon_optax._ns_plan import coefficient_schedule
+from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan
 
-
-
-
-
-
-
-
-
+NS = mo.NewtonSchulz
 
 def well_conditioned(key, shape):
   """Random matrices whose singular values span [0.1, 1]: the regime Muon runs in."""
@@ -33,7 +26,7 @@ def well_conditioned(key, shape):
 @pytest.mark.parametrize("shape", [(32, 32), (16, 48), (48, 16), (3, 16, 24)])
 def test_jordan_band_and_alignment_with_polar_factor(shape):
   x = well_conditioned(jax.random.key(0), shape)
-  out = jax.jit(lambda x: mo.newton_schulz(x, ns="jordan", steps=5))(x)
+  out = jax.jit(lambda x: mo.newton_schulz(x, NS("jordan", steps=5)))(x)
   assert out.shape == x.shape and out.dtype == x.dtype
   for o, g in zip(np.reshape(out, (-1, *shape[-2:])), np.reshape(x, (-1, *shape[-2:]))):
     s = singular_values(o)
@@ -46,23 +39,23 @@ def test_jordan_band_and_alignment_with_polar_factor(shape):
 def test_polar_express_is_closer_to_polar_factor_than_jordan():
   x = well_conditioned(jax.random.key(1), (64, 128))
   p = polar(x)
-  err = {ns: np.linalg.norm(mo.newton_schulz(x, ns=ns, steps=5) - p) / np.linalg.norm(p)
+  err = {ns: np.linalg.norm(mo.newton_schulz(x, NS(ns, steps=5)) - p) / np.linalg.norm(p)
          for ns in ("jordan", "polar_express")}
   assert err["polar_express"] < 0.5 * err["jordan"], err
-  s = {ns: singular_values(mo.newton_schulz(x, ns=ns, steps=5)) for ns in err}
+  s = {ns: singular_values(mo.newton_schulz(x, NS(ns, steps=5))) for ns in err}
   assert s["polar_express"].min() > 0.85 and s["polar_express"].max() < 1.15, s
   assert np.abs(s["polar_express"] - 1).max() < np.abs(s["jordan"] - 1).max()
 
 
 def test_polar_express_converges_with_more_steps():
   x = well_conditioned(jax.random.key(2), (32, 64))
-  out = mo.newton_schulz(x, ns="polar_express", steps=10)
+  out = mo.newton_schulz(x, NS("polar_express", steps=10))
   np.testing.assert_allclose(out, polar(x), atol=2e-3)
 
 
 def test_bfloat16_input_gives_bfloat16_output_in_band():
   x = well_conditioned(jax.random.key(3), (32, 64)).astype(jnp.bfloat16)
-  out = jax.jit(lambda x: mo.newton_schulz(x, steps=5))(x)
+  out = jax.jit(lambda x: mo.newton_schulz(x, NS(steps=5)))(x)
   assert out.dtype == jnp.bfloat16
   s = singular_values(out.astype(jnp.float32))
   assert s.min() > 0.6 and s.max() < 1.2, s
@@ -71,19 +64,19 @@ def test_bfloat16_input_gives_bfloat16_output_in_band():
 @pytest.mark.parametrize("ns", ["jordan", "polar_express", "turbo"])
 def test_scale_invariance_and_zero(ns):
   x = jax.random.normal(jax.random.key(4), (24, 40))
-  f = jax.jit(lambda x: mo.newton_schulz(x, ns=ns, steps=5))
+  f = jax.jit(lambda x: mo.newton_schulz(x, NS(ns, steps=5)))
   ref = f(x)
   for k in (1e-30, 1e-20, 1e-8, 1e8, 1e20, 1e30):
     out = f(x * k)
     assert np.all(np.isfinite(out)), k
     # x·k and the normalization round at relative size eps32: within twice the bound.
-    assert rel(out, ref) < 2 * float32_bound(ns, 5), k
+    assert rel(out, ref) < 2 * float32_bound(NS(ns, steps=5)), k
   zero = f(jnp.zeros((24, 40)))
   assert np.array_equal(zero, np.zeros((24, 40)))
 
 
 def test_no_nan_on_degenerate_inputs():
-  f = jax.jit(lambda x: mo.newton_schulz(x, steps=5))
+  f = jax.jit(lambda x: mo.newton_schulz(x, NS(steps=5)))
   rank_one = jnp.outer(jnp.arange(1.0, 9.0), jnp.ones(16))
   tiny = jnp.full((8, 16), np.finfo(np.float32).tiny)
   huge = jnp.full((8, 16), np.finfo(np.float32).max)
@@ -107,9 +100,9 @@ def test_column_parts_equal_the_whole_matrix(ns, gram):
   x = well_conditioned(jax.random.key(7), (2, 16, 64))
   reduce = lambda v, op: (jax.lax.psum if op is jnp.add else jax.lax.pmax)(v, "part")
   parts = jnp.stack(jnp.split(x, 4, axis=-1))
-  split = jax.vmap(lambda p: newton_schulz_column_parts(p, 4, reduce, ns=ns, gram=gram),
+  split = jax.vmap(lambda p: newton_schulz_column_parts(p, 4, reduce, NS(ns, gram=gram)),
                    axis_name="part")(parts)
-  whole = mo.newton_schulz(x, ns=ns, gram=gram)
+  whole = mo.newton_schulz(x, NS(ns, gram=gram))
   # Only the order of the column sums differs: within the float32 evaluation bound.
   assert np.all(rel(jnp.concatenate(list(split), axis=-1), whole) < 2 * float32_bound(ns))
 
@@ -118,10 +111,10 @@ def test_custom_schedule_repeats_last_row_and_never_wraps():
   rows = np.array([[3.0, -3.2, 1.2], [2.0, -1.5, 0.5]])
   x = jax.random.normal(jax.random.key(6), (8, 16))
   explicit = np.array([[3.0, -3.2, 1.2], [2.0, -1.5, 0.5], [2.0, -1.5, 0.5], [2.0, -1.5, 0.5]])
-  np.testing.assert_allclose(mo.newton_schulz(x, ns=rows, steps=4),
-                             mo.newton_schulz(x, ns=explicit, steps=4), atol=0)
+  np.testing.assert_allclose(mo.newton_schulz(x, NS(rows, steps=4)),
+                             mo.newton_schulz(x, NS(explicit, steps=4)), atol=0)
   # The last polar express row is used for every step past the table.
-  table, _ = coefficient_schedule("polar_express", 12)
+  table = NS("polar_express", steps=12).coefficients()
   np.testing.assert_allclose(table[8:], [[1.875, -1.25, 0.375]] * 4)
   assert not np.allclose(table[8], table[0])
 
@@ -135,12 +128,36 @@ def test_custom_schedule_repeats_last_row_and_never_wraps():
 ])
 def test_malformed_schedule_is_a_clear_error(bad, match):
   with pytest.raises(ValueError, match=match):
-    mo.newton_schulz(jnp.ones((4, 4)), ns=bad)
+    mo.NewtonSchulz(bad)
+  with pytest.raises(ValueError, match=match):
+    mo.newton_schulz(jnp.ones((4, 4)), bad)
 
 
-def test_bad_steps_and_inputs():
-  with pytest.raises(ValueError, match="ns_steps"):
-    mo.newton_schulz(jnp.ones((4, 4)), steps=0)
+@pytest.mark.parametrize("settings, match", [
+    (dict(steps=0), "steps must be a positive Python int"),
+    (dict(steps=2.5), "steps must be a positive Python int"),
+    (dict(steps=True), "steps must be a positive Python int"),
+    (dict(gram="yes"), "gram must be True, False or None"),
+    (dict(precondition="spectral"), "precondition must be one of"),
+    (dict(compute_dtype=jnp.int8), "compute_dtype must be 'auto' or a floating dtype"),
+    (dict(compute_dtype="fast"), "compute_dtype must be 'auto' or a floating dtype"),
+    (dict(precision="bogus"), "precision must be 'auto'"),
+    (dict(fn="svd"), "fn must be a function"),
+    (dict(fn=lambda x: x, steps=3), r"fn replaces the built-in iteration, so \['steps'\]"),
+])
+def test_every_setting_is_checked_when_built(settings, match):
+  with pytest.raises(ValueError, match=match):
+    mo.NewtonSchulz(**settings)
+
+
+def test_settings_are_one_comparable_value():
+  assert NS("jordan", steps=5) == NS("jordan", steps=np.int64(5))
+  assert NS(np.asarray(mo.PRESETS["jordan"].table)) == NS([[3.4445, -4.7750, 2.0315]])
+  assert NS(compute_dtype="float32") == NS(compute_dtype=jnp.float32)
+  assert hash(NS("turbo")) == hash(NS())
+
+
+def test_bad_inputs():
   with pytest.raises(ValueError, match="floating"):
     mo.newton_schulz(jnp.ones((4, 4), jnp.int32))
   with pytest.raises(ValueError, match=r"\(\.\.\., m, n\)"):
@@ -148,7 +165,6 @@ def test_bad_steps_and_inputs():
 
 
 def test_auto_dtype_and_precision_follow_the_platform():
-  from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan
   cpu = newton_schulz_plan((768, 3072), backend="cpu")
   assert (cpu.variant, cpu.steps, cpu.precondition) == ("gram", 4, "aol")
   assert (cpu.compute_dtype, cpu.precision) == ("float32", "HIGHEST")
@@ -157,14 +173,12 @@ def test_auto_dtype_and_precision_follow_the_platform():
     # 16-bit operands keep the standard iteration (see use_gram).
     assert (plan.variant, plan.compute_dtype, plan.precision) == (
         "standard", "bfloat16", "DEFAULT")
-    assert plan.flops == newton_schulz_flops(768, 3072, 4, gram=False)
-  explicit = newton_schulz_plan((3072, 768), ns="jordan", compute_dtype="float32",
-                                precision="highest", backend="gpu")
+    assert plan.flops == newton_schulz_flops(768, 3072, NS(gram=False), backend="cpu")
+  explicit = newton_schulz_plan((3072, 768), NS("jordan", compute_dtype="float32",
+                                                precision="highest"), backend="gpu")
   assert (explicit.variant, explicit.steps, explicit.precondition) == ("gram", 5, "frobenius")
   assert str(explicit).startswith("gram · 5 steps · frobenius · float32")
   # On this test's CPU backend "auto" is float32: identical to asking for it.
   x = jax.random.normal(jax.random.key(7), (16, 48))
   np.testing.assert_array_equal(mo.newton_schulz(x), mo.newton_schulz(
-      x, compute_dtype="float32", precision="highest"))
-  with pytest.raises(ValueError, match="precision"):
-    mo.newton_schulz(x, precision="bogus")
+      x, NS(compute_dtype="float32", precision="highest")))

@@ -10,8 +10,10 @@ import pytest
 import muon_optax as mo
 from _helpers import float32_bound, polar, rel, singular_values
 from muon_optax._ns_plan import (
-    GRAM_MIN_ASPECT, coefficient_schedule, gram_newton_schulz_flops, newton_schulz_flops,
-    newton_schulz_plan, use_gram)
+    GRAM_MIN_ASPECT, GRAM_SEGMENT_STEPS, gram_flops, gram_restarts, newton_schulz_flops,
+    newton_schulz_plan, segments, use_gram)
+
+NS = mo.NewtonSchulz
 
 PRESETS = ("jordan", "polar_express", "turbo")
 # Scaled input singular values at or above `floor` land in [low, high] after the
@@ -39,8 +41,7 @@ def inputs(shape=(32, 128), seed=0):
 @functools.lru_cache(maxsize=None)
 def ns_fn(ns, gram, compute_dtype="float32"):
   """One jitted function per setting, shared by the tests (compiling dominates their time)."""
-  return jax.jit(lambda x: mo.newton_schulz(x, ns=ns, gram=gram,
-                                            compute_dtype=compute_dtype))
+  return jax.jit(lambda x: mo.newton_schulz(x, NS(ns, gram=gram, compute_dtype=compute_dtype)))
 
 
 def scaled(x, ns):
@@ -50,27 +51,18 @@ def scaled(x, ns):
   if ns == "turbo":
     rows = np.abs(x @ np.swapaxes(x, -1, -2)).sum(-1, keepdims=True)
     return x / np.sqrt(rows)
-  _, safety = coefficient_schedule(ns)
-  return x / (np.linalg.norm(x, axis=(-2, -1), keepdims=True) * safety)
+  return x / (np.linalg.norm(x, axis=(-2, -1), keepdims=True) * NS(ns).safety())
 
 
-def reference(x, ns):
+def reference(x, ns, steps=None):
   """The same polynomial in float64 numpy, matrix by matrix, in x's orientation."""
-  coeffs, _ = coefficient_schedule(ns)
+  coeffs = np.asarray(NS(ns, steps=steps).coefficients())
   tall = x.shape[-2] > x.shape[-1]
   x = scaled(x, ns)
   for a, b, c in coeffs:
     g = x @ np.swapaxes(x, -1, -2)
     x = a * x + (b * g + c * g @ g) @ x
   return np.swapaxes(x, -1, -2) if tall else x
-
-
-
-
-
-
-
-
 
 
 def assert_meets_criterion(out, standard, x, ns, name):
@@ -105,7 +97,7 @@ def test_default_meets_the_criterion_against_five_jordan_steps(shape, seed):
   jordan = ns_fn("jordan", gram=False)
   for name, x in inputs(shape, seed).items():
     p = polar(x)
-    default = jax.jit(lambda x: mo.newton_schulz(x, compute_dtype="float32"))(x)
+    default = jax.jit(lambda x: mo.newton_schulz(x, NS(compute_dtype="float32")))(x)
     assert np.all(rel(default, p) <= 1.05 * rel(jordan(x), p)), (name, rel(default, p))
 
 
@@ -182,49 +174,42 @@ def compiled_flops(fn, x):
 def test_compiled_flops_gram_cheaper_at_wide_aspect(shape):
   x = jnp.ones(shape, jnp.float32)
   count = int(np.prod(shape[:-2]))
-  standard = compiled_flops(lambda x: mo.newton_schulz(x, gram=False), x)
-  gram = compiled_flops(lambda x: mo.newton_schulz(x, gram=True), x)
+  standard = compiled_flops(lambda x: mo.newton_schulz(x, NS(gram=False)), x)
+  gram = compiled_flops(lambda x: mo.newton_schulz(x, NS(gram=True)), x)
   auto = compiled_flops(lambda x: mo.newton_schulz(x), x)
   assert gram < 0.85 * standard and auto == gram, (gram, standard, auto)
   # The matmul counts account for what XLA compiles, up to elementwise work.
-  steps = newton_schulz_plan(shape).steps
-  for measured, formula in ((standard, newton_schulz_flops(*shape[-2:], steps, gram=False)),
-                            (gram, gram_newton_schulz_flops(*shape[-2:], steps))):
+  for measured, formula in ((standard, newton_schulz_flops(*shape[-2:], NS(gram=False))),
+                            (gram, newton_schulz_flops(*shape[-2:], NS(gram=True)))):
     assert 1.0 <= measured / (count * formula) < 1.1, (measured, formula)
 
 
 def test_compiled_flops_square_stays_standard():
   x = jnp.ones((32, 32), jnp.float32)
   auto = compiled_flops(lambda x: mo.newton_schulz(x), x)
-  assert auto == compiled_flops(lambda x: mo.newton_schulz(x, gram=False), x)
-  assert auto < compiled_flops(lambda x: mo.newton_schulz(x, gram=True), x)
+  assert auto == compiled_flops(lambda x: mo.newton_schulz(x, NS(gram=False)), x)
+  assert auto < compiled_flops(lambda x: mo.newton_schulz(x, NS(gram=True)), x)
 
 
 def test_flop_formulas_and_automatic_rule():
   m, n = 768, 3072
   # 5 steps, one restart before step 2: 8 m²n + 28 m³, against 20 m²n + 10 m³.
-  assert gram_newton_schulz_flops(m, n, 5) == 8 * m * m * n + 28 * m**3
-  assert newton_schulz_flops(m, n, 5, gram=False) == 20 * m * m * n + 10 * m**3
-  assert newton_schulz_flops(n, m, 5) == gram_newton_schulz_flops(m, n, 5)
+  jordan = NS("jordan", gram=True)
+  assert gram_flops(m, n, segments(5)) == 8 * m * m * n + 28 * m**3
+  assert newton_schulz_flops(m, n, jordan, backend="cpu") == 8 * m * m * n + 28 * m**3
+  assert newton_schulz_flops(m, n, NS("jordan", gram=False)) == 20 * m * m * n + 10 * m**3
+  assert newton_schulz_flops(n, m, NS("jordan"), backend="cpu") == gram_flops(m, n, segments(5))
   for steps in (1, 2, 3, 5, 8):
     for ratio in (1, 1.5, 2, 3, 4, 8):
-      g = gram_newton_schulz_flops(64, int(64 * ratio), steps)
-      s = newton_schulz_flops(64, int(64 * ratio), steps, gram=False)
+      g = newton_schulz_flops(64, int(64 * ratio), NS("jordan", steps=steps, gram=True))
+      s = newton_schulz_flops(64, int(64 * ratio), NS("jordan", steps=steps, gram=False))
       assert (g < s) == (ratio > 1.5 and steps >= 2), (steps, ratio, g, s)
-  assert use_gram(768, 768 * GRAM_MIN_ASPECT, 5) and not use_gram(768, 768 * GRAM_MIN_ASPECT - 1, 5)
-  assert not use_gram(768, 3072, 1)
-  assert not use_gram(768, 3072, 5, compute_dtype="bfloat16")
-  assert use_gram(768, 768, 5, gram=True) and not use_gram(768, 3072, 5, gram=False)
-
-
-def test_bad_gram_and_compute_dtype_are_clear_errors():
-  x = jnp.ones((4, 16))
-  with pytest.raises(ValueError, match="gram must be True, False or None"):
-    mo.newton_schulz(x, gram="yes")
-  with pytest.raises(ValueError, match="compute_dtype"):
-    mo.newton_schulz(x, compute_dtype="int32")
-  with pytest.raises(ValueError, match="compute_dtype"):
-    mo.newton_schulz(x, compute_dtype="not-a-dtype")
+  f32 = "float32"
+  assert use_gram(768, 768 * GRAM_MIN_ASPECT, 5, None, f32)
+  assert not use_gram(768, 768 * GRAM_MIN_ASPECT - 1, 5, None, f32)
+  assert not use_gram(768, 3072, 1, None, f32)
+  assert not use_gram(768, 3072, 5, None, "bfloat16")
+  assert use_gram(768, 768, 5, True, f32) and not use_gram(768, 3072, 5, False, f32)
 
 
 def test_gram_option_reaches_orthogonalize_scale_by_muon_and_muon():
@@ -233,16 +218,54 @@ def test_gram_option_reaches_orthogonalize_scale_by_muon_and_muon():
   kernel = {"w": params["mlp"]["kernel"]}
   flops = {}
   for gram in (True, False):
-    tx = mo.orthogonalize("jordan", gram=gram)
+    tx = mo.orthogonalize(NS("jordan", gram=gram))
     out, _ = jax.jit(tx.update)(kernel, tx.init(kernel))
     # A one-matrix batch may round differently from the single matrix.
-    single = mo.newton_schulz(kernel["w"], ns="jordan", gram=gram)
+    single = mo.newton_schulz(kernel["w"], NS("jordan", gram=gram))
     assert rel(out["w"], single) < 2 * float32_bound("jordan")
-    direction = mo.scale_by_muon(gram=gram)
+    direction = mo.scale_by_muon(ns=NS(gram=gram))
     flops["scale_by_muon", gram] = compiled_flops(
         lambda g: direction.update(g, direction.init(g))[0], kernel)
-    tx = mo.muon(0.02, gram=gram)
+    tx = mo.muon(0.02, ns=NS(gram=gram))
     state = tx.init(params)
     flops["muon", gram] = compiled_flops(lambda g: tx.update(g, state, params)[0], params)
   for name in ("scale_by_muon", "muon"):
     assert flops[name, True] < 0.85 * flops[name, False], flops
+
+
+# A long convergent schedule: σ ← 2σ − 1.5σ³ + 0.5σ⁵ doubles small σ and has slope 0 at 1.
+CONVERGENT = np.array([[2.0, -1.5, 0.5]])
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (32, 128), (16, 256), (2, 256, 32)])
+def test_long_schedules_converge_as_far_as_float32_allows(shape):
+  x = jax.random.normal(jax.random.key(6), shape)
+  p = polar(x)
+  errors = {}
+  for steps in (10, 20, 30):
+    standard = mo.newton_schulz(x, NS(CONVERGENT, steps=steps, gram=False))
+    gram = mo.newton_schulz(x, NS(CONVERGENT, steps=steps, gram=True))
+    errors[steps] = rel(gram, p)
+    # Converged, the standard iteration's polar error is its float32 floor: each step
+    # rounds and the next, contracting at σ = 1, corrects it. Gram space corrects only
+    # at restarts, so each step of a segment keeps its rounding: at most the segment's
+    # steps (+ the restart's) times that floor.
+    assert np.all(errors[steps] <= (GRAM_SEGMENT_STEPS + 2) * rel(standard, p)), (
+        steps, errors[steps], rel(standard, p))
+  # More steps are never less accurate (beyond rounding at the floor).
+  assert np.all(errors[30] <= 1.5 * errors[10]), errors
+
+
+def test_restarts_follow_the_growth_of_rounding():
+  # The presets keep their one restart; long schedules restart before ∏|a| passes the
+  # gain or a segment passes GRAM_SEGMENT_STEPS.
+  for ns in ("turbo", "jordan", "polar_express"):
+    segments_ = newton_schulz_plan((64, 256), NS(ns), backend="cpu").segments
+    assert segments_ == ((0, 2), (2, NS(ns).num_steps())), (ns, segments_)
+  plan = newton_schulz_plan((64, 256), NS(CONVERGENT, steps=20, gram=True), backend="cpu")
+  assert plan.segments == ((0, 2),) + tuple((k, k + 3) for k in range(2, 20, 3)), plan.segments
+  steep = newton_schulz_plan((64, 256), NS([[8.0, -20, 12]], steps=6, gram=True), backend="cpu")
+  assert steep.segments == ((0, 2), (2, 4), (4, 6)), steep.segments  # 8·8 ≤ 64 < 8³
+  # A traced (injected) table cannot be read: restart every 2 steps, as for 16-bit operands.
+  assert gram_restarts(None, 7, "float32") == (2, 4, 6)
+  assert gram_restarts([2.0] * 7, 7, "bfloat16") == (2, 4, 6)

@@ -45,7 +45,7 @@ def test_offload_keeps_the_state_sharding():
   mesh = jax.make_mesh((8,), ("data",))
   params = jax.device_put({"w": jnp.arange(64.0).reshape(8, 8), "b": jnp.ones(16)},
                           jax.sharding.NamedSharding(mesh, jax.P("data")))
-  tx = mo.adamw(1e-2, backend="offload")
+  tx = mo.AuxAdam(1e-2, backend="offload").transform()
   step = jax.jit(tx.update)
   state = tx.init(params)
   for _ in range(2):

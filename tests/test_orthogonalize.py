@@ -1,4 +1,4 @@
-"""orthogonalize: any Newton–Schulz function plugs in through ns_fn."""
+"""orthogonalize: any Newton–Schulz function plugs in through NewtonSchulz(fn=...)."""
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ def test_custom_ns_fn_matches_a_per_leaf_reference():
     return svd_polar(x)
 
   g = tree()
-  tx = mo.orthogonalize(ns_fn=ns_fn)
+  tx = mo.orthogonalize(mo.NewtonSchulz(fn=ns_fn))
   out, state = jax.jit(tx.update)(g, tx.init(g))
   assert state == optax.EmptyState()
   assert sorted(calls) == [(1, 8, 8), (2, 16, 24), (2, 16, 40)]  # one call per shape group
@@ -51,26 +51,37 @@ def test_custom_ns_fn_matches_a_per_leaf_reference():
 def test_ns_fn_reaches_scale_by_muon_through_the_built_in_path():
   # The built-in iteration is one ns_fn among others: passing it explicitly is the same.
   g = tree()
-  fn = lambda x: mo.newton_schulz(x, ns="jordan", steps=5)
-  plugged = mo.orthogonalize(ns_fn=fn)
-  built_in = mo.orthogonalize("jordan", 5)
+  jordan = mo.NewtonSchulz("jordan", steps=5)
+  plugged = mo.orthogonalize(mo.NewtonSchulz(fn=lambda x: mo.newton_schulz(x, jordan)))
+  built_in = mo.orthogonalize(jordan)
   a, _ = plugged.update(g, plugged.init(g))
   b, _ = built_in.update(g, built_in.init(g))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("kwargs", [dict(ns="jordan"), dict(ns_steps=3), dict(gram=True),
-                                    dict(compute_dtype="bfloat16"), dict(precondition="aol")])
-def test_ns_fn_with_built_in_options_is_a_clear_error(kwargs):
-  with pytest.raises(ValueError, match="ns_fn replaces"):
-    mo.orthogonalize(ns_fn=svd_polar, **kwargs)
+@pytest.mark.parametrize("kwargs", [dict(coeffs="jordan"), dict(steps=3), dict(gram=True),
+                                    dict(compute_dtype="bfloat16"), dict(precondition="aol"),
+                                    dict(precision="highest")])
+def test_fn_with_built_in_options_is_a_clear_error(kwargs):
+  with pytest.raises(ValueError, match=f"fn replaces the built-in iteration, so \\['{list(kwargs)[0]}'\\]"):
+    mo.NewtonSchulz(fn=svd_polar, **kwargs)
 
 
-def test_bad_ns_fn_and_precondition_are_clear_errors():
-  with pytest.raises(ValueError, match="ns_fn must be a function"):
-    mo.orthogonalize(ns_fn="svd")
-  with pytest.raises(ValueError, match="precondition"):
-    mo.orthogonalize(precondition="spectral")
-  with pytest.raises(ValueError, match="compute_dtype"):
-    mo.orthogonalize(compute_dtype="int8")
+def test_a_custom_fn_is_described_and_runs_in_newton_schulz():
+  custom = mo.NewtonSchulz(fn=svd_polar)
+  x = jax.random.normal(jax.random.key(1), (3, 24, 16))  # tall: fn sees it wide
+  np.testing.assert_allclose(mo.newton_schulz(x, custom), svd_polar(x), atol=1e-5)
+  table = mo.describe({"w": x}, ns=custom)
+  assert "custom" in table and "a custom function" in table
+  assert mo.newton_schulz_cost({"w": x}, ns=custom) == 0
+
+
+def test_bad_settings_are_clear_errors_where_ns_is_taken():
+  for make in (mo.orthogonalize, lambda ns: mo.scale_by_muon(ns=ns), lambda ns: mo.muon(ns=ns),
+               lambda ns: mo.newton_schulz(jnp.ones((2, 2)), ns),
+               lambda ns: mo.newton_schulz_plan((2, 2), ns)):
+    with pytest.raises(ValueError, match="unknown Newton–Schulz preset 'fast'"):
+      make("fast")
+    with pytest.raises(ValueError, match=r"NewtonSchulz\(fn=...\)"):
+      make(svd_polar)

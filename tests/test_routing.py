@@ -42,7 +42,8 @@ def test_nnx_gpt_routing(tied):
 
 def test_per_head_orthogonalization_orthogonalizes_each_head():
   x = {"attn": {"query": {"kernel": jax.random.normal(jax.random.key(1), (16, 2, 8))}}}
-  tx = mo.orthogonalize("polar_express", 10, per_head=True)
+  tx = mo.orthogonalize(mo.NewtonSchulz("polar_express", steps=10),
+                        routing=mo.Routing.from_rules(per_head=True))
   out, _ = tx.update(x, tx.init(x))
   for h in range(2):
     head = np.asarray(out["attn"]["query"]["kernel"][:, h, :], np.float64)
@@ -118,14 +119,14 @@ def test_moe_expert_stack_routing_and_views():
   rules = [(r"router", "adam"), *mo.DEFAULT_RULES]
   assert labels_by_path(params, rules=rules) == {
       "moe/router/kernel": "adam", "moe/experts/w_in": "muon", "moe/experts/w_out": "muon"}
-  table = mo.describe(params, rules=rules)
+  table = mo.describe(params, routing=mo.Routing.from_rules(rules))
   assert "4×(16×64)" in table and "4×(64×16)" in table
 
 
 def test_label_pytree_must_match_params():
   params = {"a": {"kernel": jnp.zeros((4, 4))}}
   with pytest.raises(ValueError, match="label tree does not match"):
-    mo.muon(labels={"b": "muon"}).init(params)
+    mo.muon(routing={"b": "muon"}).init(params)
 
 
 def test_describe_lists_every_leaf_and_totals():
@@ -148,7 +149,7 @@ def test_describe_under_name_rules_says_what_they_cannot_see():
 
 def test_label_tree_of_tuples_is_a_label_tree_not_rules():
   params = [(jnp.ones((4, 3)), jnp.ones(3)), (jnp.ones((3, 2)), jnp.ones(2))]
-  tx = mo.muon(1.0, labels=[("muon", "adam"), ("adam", "adam")])
+  tx = mo.muon(1.0, routing=[("muon", "adam"), ("adam", "adam")])
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
   u, _ = tx.update(grads, tx.init(params), params)
   adam = optax.adamw(3e-4, weight_decay=0.0)
@@ -160,43 +161,43 @@ def test_label_tree_of_tuples_is_a_label_tree_not_rules():
 def test_label_tree_may_be_a_prefix_of_params_as_in_optax_partition():
   params = {"w1": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}, "w2": jnp.ones((4, 4))}
   labels = {"w1": "adam", "w2": "muon"}
-  tx = mo.muon(0.1, labels=labels)
+  tx = mo.muon(0.1, routing=labels)
   u, _ = tx.update(params, tx.init(params), params)
   adamw = optax.adamw(3e-4, weight_decay=0.0)
   ref = optax.partition({"adam": adamw, "muon": optax.set_to_zero()}, labels)
   ur, _ = ref.update(params, ref.init(params), params)
   np.testing.assert_allclose(u["w1"]["kernel"], ur["w1"]["kernel"])
-  assert "given label" in mo.describe(params, labels)
+  assert "given label" in mo.describe(params, routing=labels)
 
 
 def test_tree_map_params_works_on_a_single_label():
   params = {"w": jnp.ones((4, 4)), "v": jnp.ones((4, 2))}
-  tx = mo.muon(labels="muon")
+  tx = mo.muon(routing="muon")
   state = tx.init(params)
   mapped = optax.tree.map_params(tx, lambda v: v + 1, state)
   assert jax.tree.structure(mapped) == jax.tree.structure(state)
 
 
-def test_rules_go_through_rules_or_routing_never_labels():
+def test_rules_go_through_routing_from_rules_never_labels():
   params = {"mlp": {"kernel": jnp.zeros((4, 4))}}
   rules = [("mlp", "adam"), *mo.DEFAULT_RULES]
-  with pytest.raises(ValueError, match="looks like routing rules: pass them as rules="):
-    mo.muon(labels=rules).init(params)
+  with pytest.raises(ValueError, match=r"looks like routing rules: pass routing=muon_optax"
+                     r"\.Routing\.from_rules"):
+    mo.muon(routing=rules).init(params)
   assert mo.Routing.from_rules(rules).labels(params) == {"mlp": {"kernel": "adam"}}
-  mo.muon(rules=rules).init(params)
-  with pytest.raises(ValueError, match="only one of"):
-    mo.muon(rules=rules, labels={"mlp": "adam"})
+  mo.muon(routing=mo.Routing.from_rules(rules)).init(params)
 
 
 def test_ns_array_under_inject_hyperparams():
   params = {"w": {"kernel": jax.random.normal(jax.random.key(0), (4, 8))}}
   ns = np.tile(np.asarray(mo.PRESETS["jordan"][0][0]), (5, 1))
-  tx = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(learning_rate=0.02, ns=ns)
+  tx = optax.inject_hyperparams(mo.muon)(learning_rate=0.02, ns=ns)
   u, _ = jax.jit(tx.update)(params, tx.init(params), params)
-  ref = mo.muon(0.02, ns="jordan", ns_steps=5)
+  ref = mo.muon(0.02, ns=mo.NewtonSchulz("jordan", steps=5))
   ur, _ = ref.update(params, ref.init(params), params)
   # Same maths; only the coefficients' float32 vs float64 rounding differs.
-  assert rel(u["w"]["kernel"], ur["w"]["kernel"]) < 2 * float32_bound("jordan", 5)
-  bad = optax.inject_hyperparams(mo.muon, static_args=("ns_steps",))(ns=np.ones((5, 2)))
+  assert rel(u["w"]["kernel"], ur["w"]["kernel"]) < 2 * float32_bound(
+      mo.NewtonSchulz("jordan", steps=5))
+  bad = optax.inject_hyperparams(mo.muon)(ns=np.ones((5, 2)))
   with pytest.raises(ValueError, match=r"shape \(n, 3\).*\(5, 2\)"):
     jax.jit(bad.update)(params, bad.init(params), params)
