@@ -185,7 +185,7 @@ class AuxAdam:
 
     def init_fn(params):
       _tree_fit.check_mask("the AuxAdam mask", self.mask, params)
-      return tx.init(params)
+      return _offload.commit_like(tx.init(params), params)
 
     return optax.GradientTransformation(init_fn, tx.update)
 

@@ -107,7 +107,7 @@ def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: Scal
 
   def init_fn(params):
     _tree_fit.check_mask("weight_decay_mask", weight_decay_mask, params)
-    return inner.init(params)
+    return _offload.commit_like(inner.init(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is not None:  # before labelling, so a mismatch is named as one

@@ -148,12 +148,15 @@ def _sub_jaxpr(eqn):
 
 
 class Walker:
-  """Records every use of every leaf; `lasts` are the leaves whose dot_general result a
-  value carries with no other parameter's dot_general or conv after it."""
+  """Records every use of every leaf; `lasts` are the leaves whose dot_general or conv
+  result a value carries with no other parameter's dot_general or conv after it, and
+  `fed` those whose result reaches some parameter's dot_general or conv (a residual
+  branch's projection reaches the output by its skip path too, yet is no head)."""
 
   def __init__(self, shapes):
     self.shapes = shapes
     self.uses = [dict() for _ in shapes]
+    self.fed = set()
 
   def use(self, leaf, u: Use):
     self.uses[leaf].setdefault(u, None)
@@ -193,12 +196,16 @@ class Walker:
     if name == "dot_general":
       for k, t in tracked:
         self.use(t.leaf, _dot_use(eqn, k, t, self.shapes[t.leaf]))
+      self.fed |= union
       return [None], [frozenset(t.leaf for _, t in tracked)]
     if name == "conv_general_dilated":
       for k, t in tracked:
         shape = self.shapes[t.leaf]
         self.use(t.leaf, _conv_use(eqn, t, len(shape), shape) if k == 1 else Use("elementwise"))
-      return [None], [frozenset()]
+      kernel = frozenset(t.leaf for k, t in tracked if k == 1)
+      if kernel:
+        self.fed |= union
+      return [None], [kernel]
     if name == "gather" and tracked[0][0] == 0:
       self.use(tracked[0][1].leaf, Use("gather", None, "gather"))
       return [None], [union]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -30,24 +31,52 @@ def to_device(tree: Any) -> Any:
       lambda x: jax.device_put(x, jax.memory.Space.Device) if jnp.ndim(x) else x, tree)
 
 
-def commit_scalars(state: Any) -> Any:
-  """Commits the scalar leaves (step counts) to the devices of the first array in `state`.
+def _committed_sharding(tree: Any) -> Any:
+  """Where the committed concrete arrays of `tree` live, as the sharding a scalar should
+  take there (the device, or replicated on the mesh); None if none is committed."""
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
+      sharding = x.sharding
+      if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+      if len(sharding.device_set) == 1:
+        return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+      return None
+  return None
 
-  A fresh count is uncommitted, the one a step returns is committed; next to committed
-  host-memory arrays that difference makes jit compile the step a second time.
+
+def commit_like(state: Any, params: Any) -> Any:
+  """`state` with its uncommitted arrays committed where the params are, if they are.
+
+  jit specializes on whether each argument is committed, and its outputs are committed
+  when any input is: a fresh state of uncommitted zeros (step counts) next to committed
+  params would come back committed from step 1 and make step 2 compile again.
   """
-  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array) and x.ndim]
-  if not leaves or isinstance(leaves[0], jax.core.Tracer):
-    return state
-  sharding = leaves[0].sharding
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    target = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-  elif len(sharding.device_set) == 1:
-    target = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
-  else:
+  target = _committed_sharding(params)
+  if target is None:
     return state
   return jax.tree.map(
-      lambda x: jax.device_put(x, target) if isinstance(x, jax.Array) and not x.ndim else x, state)
+      lambda x: jax.device_put(x, target)
+      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.committed
+      else x, state)
+
+
+def commit_scalars(state: Any) -> Any:
+  """Commits the scalar leaves (step counts) of `state` where its other arrays live."""
+  return commit_like(state, [x for x in jax.tree.leaves(state) if jnp.ndim(x)])
+
+
+def warn_if_uncommitted(params: Any) -> None:
+  """Offloaded state is committed (it lives in a memory space), and so is everything a
+  jitted step returns next to it: uncommitted params would make step 2 compile again."""
+  arrays = [x for x in jax.tree.leaves(params)
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+  if arrays and not any(x.committed for x in arrays):
+    warnings.warn(
+        "host offload: the params are not committed to a device, so a jitted step will "
+        "compile twice (its offloaded state is committed, and so are the params it "
+        "returns). Commit them first: params = jax.device_put(params, jax.devices()[0]) "
+        "(or their mesh shardings).", stacklevel=3)
 
 
 def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -61,7 +90,7 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
   Commit the params to a device before the first step (`jax.device_put(params,
   device)`, or create them under jit): jit specializes on whether its inputs are
   committed, and next to committed host-memory state a fresh, uncommitted input makes
-  the second step compile again.
+  the second step compile again. `init` warns when it sees such params.
 
   Args:
     inner: any optax transform.
@@ -81,6 +110,7 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
 
   def init_fn(params):
     check_host_memory()
+    warn_if_uncommitted(params)
     return commit_scalars(to_host(inner.init(params)))
 
   def update_fn(updates, state, params=None, **extra_args):

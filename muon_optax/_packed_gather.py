@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._state_sharding import spec_axes
+from muon_optax._state_sharding import explicit_spec, spec_axes
 
 
 def _blocks(spec: P, shape: tuple[int, ...], mesh: Mesh):
@@ -72,15 +72,10 @@ def _partition(mesh, arg_shapes, result_shape):
   return mesh, lower, results, ([a.sharding for a in args],)
 
 
-def _explicit(x) -> bool:
-  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-  return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-
-
 def gather_together(xs: list[jax.Array]) -> list[jax.Array]:
   """The arrays unchanged; those XLA wants replicated from a split layout are
   gathered in one packed all-gather instead of one each. Arrays of rank ≥ 1 only."""
-  if not xs or any(_explicit(x) for x in xs):  # Explicit axes: the types fix the layouts
+  if not xs or any(explicit_spec(x) is not None for x in xs):  # Explicit axes: the types fix the layouts
     return list(xs)
 
   @custom_partitioning

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
@@ -14,6 +16,7 @@ from muon_optax._name_rules import (  # noqa: F401  (ADAM, FROZEN: for `_routing
     ADAM, DEFAULT_RULES, FROZEN, LABELS, MUON, NAME_RULES_CAVEAT, Rule, apply_rules,
     check_rules)
 from muon_optax._ns_plan import newton_schulz_plan
+from muon_optax._ns_settings import DEFAULT_NS, NS, as_newton_schulz
 
 Labels = Any  # None, a label pytree (or a prefix of one), a callable params -> labels, a Routing
 
@@ -31,7 +34,7 @@ def expand_labels(label_tree: Any, params: Any) -> Any:
     if isinstance(label_tree, (list, tuple)) and any(
         callable(r) or (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)
                         and r[1] in LABELS and r[0] not in LABELS) for r in label_tree):
-      hint = (" It looks like routing rules: pass them as rules=[...] or "
+      hint = (" It looks like routing rules: pass "
               "routing=muon_optax.Routing.from_rules([...]).")
     raise ValueError("the label tree does not match the params tree (it must have the params' "
                      f"structure or a prefix of it, as in optax.partition): {e}.{hint}") from None
@@ -79,23 +82,41 @@ class Routing:
     """A label pytree (or a prefix of one), or a callable params -> label pytree."""
     return cls(label_source=labels, views=views, per_head=per_head)
 
+  def _key(self, path: str) -> Optional[str]:
+    """The inferred path serving `path`: itself, else `path` under the one top-level
+    collection that has it (a Routing inferred from Linen `variables` serves
+    `variables["params"]`). Paths match whole, never by suffix."""
+    if path in self.decisions:
+      return path
+    found = [k for k in (f"{c}/{path}" for c in self._collections) if k in self.decisions]
+    if len(found) > 1:
+      raise ValueError(f"parameter {path!r} matches {found} in this Routing; route the "
+                       "whole tree it was inferred from, or infer it from these params.")
+    return found[0] if found else None
+
+  @functools.cached_property
+  def _collections(self) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(k.split("/", 1)[0] for k in self.decisions if "/" in k))
+
   def _find(self, path: str, shape: tuple[int, ...]) -> Optional[Decision]:
-    """The decision for `path`, or for the one inferred path that ends with it (a
-    Routing inferred from Linen `variables` serves `variables["params"]` too)."""
-    found = self.decisions.get(path)
-    if found is None:
-      matches = [v for k, v in self.decisions.items() if k.endswith("/" + path)]
-      found = matches[0] if len(matches) == 1 else None
+    key = self._key(path)
+    found = None if key is None else self.decisions[key]
     return found[1] if found is not None and found[0] == shape else None
 
   def _decision(self, path: str, leaf: Any) -> Decision:
     shape = tuple(np.shape(leaf))
-    decision = self._find(path, shape)
-    if decision is None:
-      raise ValueError(
-          f"parameter {path!r} of shape {shape} is not in this Routing (inferred for "
-          f"{list(self.decisions)[:3]}, ...); infer it again from these params.")
-    return decision
+    key = self._key(path)
+    if key is None:
+      near = difflib.get_close_matches(path, list(self.decisions), n=3, cutoff=0.5)
+      near = f"; nearest inferred paths: {near}" if near else ""
+      raise ValueError(f"parameter {path!r} of shape {shape} is not in this Routing "
+                       f"({len(self.decisions)} inferred paths{near}); infer it again from "
+                       "these params.")
+    inferred = self.decisions[key][0]
+    if inferred != shape:
+      raise ValueError(f"parameter {path!r} has shape {shape}, but {inferred} in this "
+                       "Routing; infer it again from these params.")
+    return self.decisions[key][1]
 
   def _given(self, params: Any) -> Any:
     source = self.label_source
@@ -136,29 +157,20 @@ class Routing:
     return describe(shapes, routing=self)
 
 
-def as_routing(*, routing: Optional[Routing] = None, labels: Labels = None,
-               rules: Optional[Sequence[Rule]] = None, views: Optional[ViewFn] = None,
-               per_head: bool = False) -> Routing:
-  """The one Routing meant by the `routing=` / `labels=` / `rules=` / `views=` shorthands."""
-  if isinstance(labels, Routing):
-    routing, labels = labels, None
-  given = [n for n, v in (("routing", routing), ("labels", labels), ("rules", rules))
-           if v is not None]
-  if len(given) > 1:
-    raise ValueError(f"pass only one of routing=, labels= and rules=, got {given}.")
-  if routing is not None:
-    if views is not None or per_head:
-      raise ValueError("views= and per_head= are part of a Routing; pass them when building it.")
+def as_routing(routing: Any = None) -> Routing:
+  """The `Routing` meant by a `routing=` argument: a `Routing` as it is; None, the default
+  name rules (`DEFAULT_RULES`); anything else, labels as `optax.partition` takes them (a
+  label pytree, a prefix of the params tree, or a callable params -> labels)."""
+  if isinstance(routing, Routing):
     return routing
-  if labels is not None:
-    return Routing.from_labels(labels, views=views, per_head=per_head)
-  return Routing.from_rules(rules, views=views, per_head=per_head)
+  if routing is None:
+    return Routing.from_rules()
+  return Routing.from_labels(routing)
 
 
-def resolve_labels(labels: Labels, params: Any) -> Any:
-  """The full label pytree for `params` from None (default rules), a Routing, a callable
-  or a label pytree (or prefix). Rules go through `rules=` or `Routing.from_rules`."""
-  return as_routing(labels=labels).labels(params)
+def resolve_labels(routing: Any, params: Any) -> Any:
+  """The full label pytree of `params` under a `routing=` argument (see `as_routing`)."""
+  return as_routing(routing).labels(params)
 
 
 def check_leaf(path: str, leaf: Any, label: Any, views: ViewFn, known: Sequence[str]) -> None:
@@ -166,15 +178,21 @@ def check_leaf(path: str, leaf: Any, label: Any, views: ViewFn, known: Sequence[
   if label not in known:
     raise ValueError(f"parameter {path!r} has label {label!r}, which has no transform; use "
                      f"one of {list(known)}.")
-  if label != MUON:
+  if label == FROZEN:
     return
   shape, dtype = np.shape(leaf), jax.numpy.result_type(leaf)
+  if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+    raise ValueError(f"parameter {path!r} is labelled {label!r} but has dtype {dtype}, which "
+                     "no optimizer step can update; label it 'frozen'.")
+  if label != MUON:
+    return
   if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
     raise ValueError(f"parameter {path!r} is labelled 'muon' but has dtype {dtype}; Muon needs "
                      "real floating weights. Label it 'adam' or 'frozen'.")
   if views(path, shape) is None:
     raise ValueError(f"parameter {path!r} of shape {shape} is labelled 'muon' but has no matrix "
-                     "view (rank < 2). Label it 'adam', or pass views= to say how it is a matrix.")
+                     "view (rank < 2). Label it 'adam', or give its view with "
+                     "Routing.from_rules(views=...) or infer_routing(views=...).")
 
 
 def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[str]) -> None:
@@ -183,9 +201,10 @@ def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[st
   _paths.map_with_path(lambda p, x, l: check_leaf(p, x, l, views, known), params, label_tree)
 
 
-def _rows(params: Any, routing: Routing, ns_options: dict) -> list[tuple]:
+def _rows(params: Any, routing: Routing, ns: NS, backend: Optional[str]) -> list[tuple]:
   """(path, shape, label, matrix view, Newton–Schulz plan or None, flops, reason) of
-  every leaf; the plan is what `newton_schulz` runs with `ns_options` on this machine."""
+  every leaf; the plan is what `newton_schulz` runs with `ns` on `backend`."""
+  ns = as_newton_schulz(ns)
   rows = []
   for path, leaf, decision in routing.decide(params):
     check_leaf(path, leaf, decision.label, routing.view, LABELS)
@@ -194,40 +213,36 @@ def _rows(params: Any, routing: Routing, ns_options: dict) -> list[tuple]:
     if decision.label == MUON:
       v = routing.view(path, shape)
       count, fan_in, fan_out = v.matrix_shape(shape)
-      plan = newton_schulz_plan((fan_in, fan_out), **ns_options)
-      view, flops = v.describe(shape), count * plan.flops
+      if ns.fn is None:
+        plan = newton_schulz_plan((fan_in, fan_out), ns, backend=backend)
+        flops = count * plan.flops
+      view = v.describe(shape)
     rows.append((path, shape, decision.label, view, plan, flops, decision.reason))
   return rows
 
 
-def newton_schulz_cost(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
-                       per_head: bool = False, routing: Optional[Routing] = None,
-                       rules: Optional[Sequence[Rule]] = None, **ns_options) -> int:
+def newton_schulz_cost(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
+                       backend: Optional[str] = None) -> int:
   """Newton–Schulz matmul flops of one Muon update of `params` (the total `describe`
-  prints). `ns_options` (ns, steps, gram, compute_dtype, precondition) are those given
-  to `muon` / `newton_schulz`, with `steps` for `muon`'s ns_steps.
+  prints), with the `routing=` and `ns=` given to `muon`, on `backend` (default: jax's).
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
-    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}, ns="jordan", steps=5, gram=False)
+    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}, ns=mo.NewtonSchulz("jordan", gram=False))
     3200
   """
-  routing = as_routing(routing=routing, labels=labels, rules=rules, views=views, per_head=per_head)
-  return sum(row[5] for row in _rows(params, routing, ns_options))
+  return sum(row[5] for row in _rows(params, as_routing(routing), ns, backend))
 
 
-def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = None,
-             per_head: bool = False, routing: Optional[Routing] = None,
-             rules: Optional[Sequence[Rule]] = None, **ns_options) -> str:
+def describe(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
+             backend: Optional[str] = None) -> str:
   """The routing table: path, shape, label, matrix view, the Newton–Schulz variant that
   will run and its flops, and why, per leaf; then totals and the Newton–Schulz settings.
 
   Args:
     params: the params pytree (arrays or `jax.ShapeDtypeStruct`s).
-    labels, rules, views, per_head, routing: the routing, as given to `muon`.
-    **ns_options: ns, steps, gram, compute_dtype, precision, precondition, as given to
-      `newton_schulz` (`muon`'s ns_steps is `steps`); "auto" settings are resolved for
-      `jax.default_backend()`, or for `backend=` ("cpu", "gpu", "tpu").
+    routing, ns: as given to `muon`.
+    backend: "cpu", "gpu" or "tpu", to resolve "auto" settings for; default: jax's.
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
@@ -241,15 +256,16 @@ def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = No
     muon: 32 parameters, 2,304 Newton–Schulz flops per step
     Newton–Schulz: 4 steps, aol scaling, float32 operands with float32 accumulation, ...
   """
-  routing = as_routing(routing=routing, labels=labels, rules=rules, views=views, per_head=per_head)
+  routing = as_routing(routing)
   rows, totals = [], {}
   plans = []
-  for path, shape, label, view, plan, flops, why in _rows(params, routing, ns_options):
+  for path, shape, label, view, plan, flops, why in _rows(params, routing, ns, backend):
     n, f = totals.get(label, (0, 0))
     totals[label] = (n + int(np.prod(shape)), f + flops)
     plans += [plan] if plan else []
-    rows.append((path, "×".join(map(str, shape)) or "()", label, view,
-                 plan.variant if plan else "", f"{flops:,}" if flops else "", why))
+    variant = plan.variant if plan else ("custom" if view else "")
+    rows.append((path, "×".join(map(str, shape)) or "()", label, view, variant,
+                 f"{flops:,}" if flops else "", why))
   header = ("path", "shape", "label", "matrix view", "NS", "NS flops", "why")
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
@@ -263,6 +279,8 @@ def describe(params: Any, labels: Labels = None, *, views: Optional[ViewFn] = No
     lines.append(f"Newton–Schulz: {p.steps} steps, {p.precondition} scaling, "
                  f"{p.compute_dtype} operands with float32 accumulation, precision "
                  f"{p.precision}; NS is the standard or Gram-space iteration per shape.")
+  elif as_newton_schulz(ns).fn is not None:
+    lines.append("Newton–Schulz: a custom function (NewtonSchulz(fn=...)).")
   if routing.rules is not None:
     lines.append(NAME_RULES_CAVEAT)
   return "\n".join(lines)

@@ -13,6 +13,7 @@ import optax
 from muon_optax import _paths
 from muon_optax._orthogonalize import matrix_view_of
 from muon_optax._routing import as_routing
+from muon_optax._state_sharding import explicit_spec, reshard_to
 
 SCALES = ("jordan", "moonlight", None)
 
@@ -99,6 +100,7 @@ def scale_by_dual_norm(orthogonalizer: optax.GradientTransformation, *, routing:
   def scale_leaf(path, o, m):
     view = matrix_view_of(views, path, o).normalize(o.ndim)
     acc = jnp.promote_types(o.dtype, jnp.float32)
+    m = reshard_to(m, explicit_spec(o))  # Explicit axes: one layout for the product
     dual = jnp.sum(m.astype(acc) * o.astype(acc), axis=view.fan_in + view.fan_out,
                    keepdims=True)
     return (dual * o.astype(acc)).astype(o.dtype)

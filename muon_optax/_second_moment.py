@@ -8,12 +8,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from muon_optax import _paths, _validate
 from muon_optax._matrix_view import MatrixView
 from muon_optax._orthogonalize import matrix_view_of
 from muon_optax._routing import as_routing
+from muon_optax._state_sharding import explicit_spec, reshard_to
 
 OVER = ("neurons", "elements")
 RESCALE = ("norm", "rms")
@@ -103,7 +105,12 @@ def scale_by_second_moment(
     square = x * x
     if over == "neurons":
       square = jnp.mean(square, axis=view.fan_in, keepdims=True)
-    v = (b2 * v + (1 - b2) * square).astype(v.dtype)
+    # On Explicit axes, the statistic is used in the update's layout and kept in its own.
+    kept = explicit_spec(v)
+    spec = explicit_spec(x)
+    if spec is not None:
+      spec = P(*(None if size == 1 else e for size, e in zip(v.shape, spec)))
+    v = (b2 * reshard_to(v, spec) + (1 - b2) * square).astype(v.dtype)
     v_hat = v / (1 - b2 ** count).astype(v.dtype)
     normalized = x / (jnp.sqrt(v_hat) + eps)
     norm = jnp.sqrt(jnp.sum(normalized * normalized, axis=matrix_axes, keepdims=True))
@@ -113,7 +120,7 @@ def scale_by_second_moment(
       _, fan_in, fan_out = view.matrix_shape(o.shape)
       target = jnp.sqrt(jnp.asarray(min(fan_in, fan_out), v.dtype))
     factor = jnp.where(norm > 0, target / jnp.where(norm > 0, norm, 1), 0)
-    return (normalized * factor).astype(o.dtype), v
+    return (normalized * factor).astype(o.dtype), reshard_to(v, kept)
 
   def update_fn(updates, state, params=None):
     del params

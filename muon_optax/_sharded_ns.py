@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._ns_plan import newton_schulz_plan
 from muon_optax._ns_settings import DEFAULT_NS, NewtonSchulz
-from muon_optax._state_sharding import spec_axes
+from muon_optax._state_sharding import is_explicit, spec_axes
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
 SplitOk = Callable[[Item, int], bool]
@@ -288,10 +288,6 @@ def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
             for i, (shape, dt) in enumerate(zip(shapes, dtypes))]
 
   return lower
-
-
-def is_explicit(mesh: Mesh) -> bool:
-  return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
 def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, *,

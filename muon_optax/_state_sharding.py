@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax import _paths
 
 
-def check_data_axis(mesh: Mesh, data_axis: str) -> None:
-  if data_axis not in mesh.axis_names:
-    raise ValueError(
-        f"data axis {data_axis!r} is not an axis of the mesh {dict(mesh.shape)}; pass "
-        "data_axis= one of its axis names.")
+DataAxis = Union[str, Sequence[str]]
+
+
+def data_axes(mesh: Mesh, data_axis: DataAxis) -> tuple[str, ...]:
+  """The data-parallel mesh axes: one name, or several (("data", "fsdp")) whose devices
+  together hold one share of the state each; a ValueError naming any that is missing."""
+  axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+  for axis in axes:
+    if axis not in mesh.axis_names:
+      raise ValueError(
+          f"data axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}; pass "
+          "data_axis= one of its axis names (or a tuple of them).")
+  if not axes or len(set(axes)) != len(axes):
+    raise ValueError(f"data_axis must name one mesh axis or several distinct ones, got "
+                     f"{data_axis!r}.")
+  return axes
 
 
 def _param_specs(params: Any, mesh: Mesh) -> dict[str, P]:
@@ -43,47 +54,56 @@ def _spec_axes(spec: P) -> set[str]:
   return {axis for entry in spec for axis in spec_axes(entry)}
 
 
-def mirrored_param(path: str, shape: tuple[int, ...], param_shapes: Mapping[str, tuple[int, ...]]
-                   ) -> Optional[str]:
+def mirrored_param(path: str, shape: tuple[int, ...], param_shapes: Mapping[str, tuple[int, ...]],
+                   *, reduced: bool = False) -> Optional[str]:
   """The parameter that the state leaf at `path` mirrors, or None.
 
   A state leaf mirrors a parameter (momentum, Adam moments) when a suffix of its '/'-joined
   path names a parameter of the same shape; the longest such suffix wins, so
   `.../mu/blocks/0/kernel` mirrors `blocks/0/kernel`, not a parameter named `0/kernel`.
+  With `reduced`, a statistic of the parameter over some axes (those axes of size 1, as
+  NorMuon's per-neuron second moment) mirrors it too.
   """
+  fits = lambda p: len(p) == len(shape) and all(
+      s == q or (reduced and s == 1) for s, q in zip(shape, p))
   parts = path.split("/")
   for k in range(len(parts)):
     suffix = "/".join(parts[k:])
-    if suffix in param_shapes and tuple(param_shapes[suffix]) == tuple(shape):
+    if suffix in param_shapes and fits(tuple(param_shapes[suffix])):
       return suffix
   return None
 
 
-def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, data_axis: str) -> P:
-  """`spec` with the data axis added on the largest free dimension it divides.
+def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str, ...]) -> P:
+  """`spec` with the data axes it lacks added on the largest free dimension they divide
+  together, in the form a jitted update returns its state in (one entry per dimension
+  on Explicit axes, no trailing None on Auto ones), so that step 2 finds the state laid
+  out as step 1 did and reuses its executable.
 
   A leaf with no such dimension (scalars, counters, odd-sized vectors) stays
-  replicated over the data axis: it is small, and padding it would change its shape.
+  replicated over those axes: it is small, and padding it would change its shape.
   """
   entries = list(spec) + [None] * (len(shape) - len(spec))
-  if data_axis in _spec_axes(spec):
-    return P(*entries)
-  size = mesh.shape[data_axis]
+  missing = tuple(a for a in axes if a not in _spec_axes(spec))
+  size = int(np.prod([mesh.shape[a] for a in missing]))
   free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % size == 0]
-  if free:
-    entries[max(free, key=lambda d: (shape[d], -d))] = data_axis
+  if missing and free:
+    entries[max(free, key=lambda d: (shape[d], -d))] = missing[0] if len(missing) == 1 else missing
+  while entries and entries[-1] is None and not is_explicit(mesh):
+    entries.pop()
   return P(*entries)
 
 
 def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
-                    data_axis: str = "data") -> Any:
+                    data_axis: DataAxis = "data") -> Any:
   """NamedSharding of every leaf of `tx.init(params)`, partitioned along `data_axis`.
 
   - A state leaf that mirrors a parameter (same path suffix and shape: momentum,
-    Adam moments) starts from that parameter's spec, so FSDP-sharded params keep
-    their state beside them; if the spec lacks the data axis (ZeRO-1: replicated
-    params, or params sharded only over other axes), the data axis is added on the
-    largest dimension it divides.
+    Adam moments; or the shape with some axes of size 1: a per-neuron statistic)
+    starts from that parameter's spec, so FSDP-sharded params keep their state beside
+    them; if the spec lacks the data axis (ZeRO-1: replicated params, or params
+    sharded only over other axes), the data axis is added on the largest dimension it
+    divides.
   - Any other leaf (flat buffers, counts) gets the data axis the same way.
   - Leaves with no dimension divisible by the data-axis size stay replicated.
 
@@ -91,7 +111,8 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     tx: the optimizer.
     params: params or `jax.ShapeDtypeStruct`s; a `NamedSharding` on them is followed.
     mesh: the device mesh.
-    data_axis: name of the data-parallel axis of `mesh`.
+    data_axis: the data-parallel axis of `mesh`, or a tuple of axes (("data", "fsdp"))
+      over whose devices together the state is split.
 
   Returns:
     A pytree of `NamedSharding` with the structure of `tx.init(params)`.
@@ -104,21 +125,27 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     >>> shardings = mo.state_shardings(tx, params, mesh)
     >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
   """
-  check_data_axis(mesh, data_axis)
+  axes = data_axes(mesh, data_axis)
   param_specs = _param_specs(params, mesh)
   param_shapes = {p: tuple(np.shape(x)) for p, x in _paths.leaves_with_path(params)}
   abstract = jax.eval_shape(tx.init, params)
 
   def sharding(path: str, leaf: Any) -> NamedSharding:
     shape = tuple(leaf.shape)
-    param = mirrored_param(path, shape, param_shapes)
-    spec = P() if param is None else param_specs.get(param, P())
-    return NamedSharding(mesh, _add_data_axis(shape, spec, mesh, data_axis))
+    param = mirrored_param(path, shape, param_shapes, reduced=True)
+    spec = P() if param is None else _kept(param_specs.get(param, P()), shape)
+    return NamedSharding(mesh, _add_data_axis(shape, spec, mesh, axes))
 
   return _paths.map_with_path(sharding, abstract)
 
 
-def fsdp_shardings(params: Any, mesh: Mesh, data_axis: str = "data") -> Any:
+def _kept(spec: P, shape: tuple[int, ...]) -> P:
+  """The parameter's spec on the axes a statistic keeps (size-1 axes are replicated)."""
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  return P(*(None if size == 1 else e for size, e in zip(shape, entries)))
+
+
+def fsdp_shardings(params: Any, mesh: Mesh, data_axis: DataAxis = "data") -> Any:
   """FSDP / ZeRO-3 layout of `params`: each leaf split along `data_axis` on its largest
   dimension that the axis size divides; leaves with none stay replicated.
 
@@ -129,7 +156,30 @@ def fsdp_shardings(params: Any, mesh: Mesh, data_axis: str = "data") -> Any:
     >>> shardings = mo.fsdp_shardings(params, mesh)
     >>> params = jax.device_put(params, shardings)
   """
-  check_data_axis(mesh, data_axis)
+  axes = data_axes(mesh, data_axis)
   return _paths.map_with_path(
-      lambda path, x: NamedSharding(mesh, _add_data_axis(tuple(np.shape(x)), P(), mesh, data_axis)),
+      lambda path, x: NamedSharding(mesh, _add_data_axis(tuple(np.shape(x)), P(), mesh, axes)),
       params)
+
+
+def is_explicit(mesh: Any) -> bool:
+  """Whether `mesh` has Explicit axes, whose shardings are part of array types."""
+  return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def explicit_spec(x: Any) -> Optional[P]:
+  """x's PartitionSpec, one entry per dimension, when its type carries one (an Explicit
+  mesh); None otherwise (XLA propagates layouts itself)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  if not is_explicit(getattr(sharding, "mesh", None)):
+    return None
+  spec = tuple(sharding.spec)
+  return P(*spec, *([None] * (x.ndim - len(spec))))
+
+
+def reshard_to(x: jax.Array, spec: Optional[P]) -> jax.Array:
+  """x in layout `spec` on its Explicit mesh; unchanged without one. Elementwise maths
+  between two arrays laid out differently on Explicit axes is a type error otherwise."""
+  if spec is None or explicit_spec(x) is None or explicit_spec(x) == spec:
+    return x
+  return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, spec))

@@ -12,7 +12,7 @@ import numpy as np
 from muon_optax import _paths
 from muon_optax._jaxpr_uses import Track, Use, Walker
 from muon_optax._matrix_view import MatrixView, ViewFn, default_view
-from muon_optax._name_rules import ADAM, MUON, Rule, check_rules, first_match
+from muon_optax._name_rules import ADAM, FROZEN, MUON, Rule, check_rules, first_match
 from muon_optax._routing import Decision, Routing
 
 
@@ -53,7 +53,7 @@ def _decide(path: str, shape, uses: list[Use], head: bool, per_head: bool) -> De
   if len(matrix) > 1:
     raise fail("is used in incompatible ways")
   view = matrix.pop()
-  if head and "dot" in kinds:
+  if head:
     return Decision(ADAM, None, "feeds the output → head")
   if per_head and "dot" in kinds:
     view = _per_head(view)
@@ -84,9 +84,129 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
+def _split_call(f, args) -> tuple[Callable[..., Any], Any, tuple]:
+  """(fn(params, *args, **kwargs), params, args) from `infer_routing`'s f and args."""
+  nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
+  linen = sys.modules.get("flax.linen")
+  is_module = lambda m: ((nnx is not None and isinstance(m, nnx.Module))
+                         or (eqx is not None and isinstance(m, eqx.Module)))
+  # A method of a Module (model.encode) routes the Module's params, as the Module does.
+  owner, method = getattr(f, "__self__", None), getattr(f, "__func__", None)
+  module, call = (owner, method) if method is not None and is_module(owner) else (
+      f, lambda m, *a, **k: m(*a, **k))
+  if nnx is not None and isinstance(module, nnx.Module):
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    # The rest (batch stats, RNG counts) is traced too, so that the call may update it.
+    fn = lambda p, rest, *a, **k: call(nnx.merge(graphdef, p, rest), *a, **k)
+    return fn, params, (rest, *args)
+  if eqx is not None and isinstance(module, eqx.Module):
+    # The params are what eqx.filter(model, eqx.is_inexact_array) keeps, at its paths.
+    params, static = eqx.partition(module, eqx.is_inexact_array)
+    return lambda p, *a, **k: call(eqx.combine(p, static), *a, **k), params, args
+  if linen is not None and isinstance(f, linen.Module):
+    raise ValueError("infer_routing got a Linen Module as f; pass its apply and variables: "
+                     "infer_routing(model.apply, variables, *args).")
+  if not callable(f):
+    raise ValueError(f"infer_routing's f must be callable, got a {type(f).__name__}; pass a "
+                     "function f(params, *args) (for haiku: lambda p, x: model.apply(p, None, "
+                     "x)), an nnx.Module or an equinox Module.")
+  held = [p for p, x in _paths.leaves_with_path(f) if x is not f and _is_array(x)]
+  if held:
+    raise ValueError(f"f holds arrays of its own (at {held[:3]}), which would not be routed; "
+                     "pass them as the params: infer_routing(f, params, *args).")
+  if not args:
+    raise ValueError("infer_routing(f, params, *args): pass the params to route.")
+  return f, args[0], args[1:]
+
+
+def _check_params(params) -> None:
+  """A clear error for params that are not a pytree of arrays."""
+  leaves = _paths.leaves_with_path(params)
+  for path, x in leaves:
+    if not (_is_array(x) or isinstance(x, (bool, int, float, complex))):
+      where = f"the leaf at {path!r}" if path else "params itself"
+      raise ValueError(
+          f"infer_routing routes a pytree of arrays, but {where} is a {type(x).__name__}. "
+          "Pass an nnx or equinox Module itself as f (infer_routing(model, *args)), or only "
+          "the arrays to route as params (e.g. eqx.filter(model, eqx.is_inexact_array)).")
+  if not leaves:
+    raise ValueError("infer_routing found no arrays in the params to route; pass "
+                     "f, params, *args (or an nnx / equinox Module, then its inputs).")
+
+
+def _trace(fn, params, args, kwargs, output):
+  """The jaxpr of fn(params, *args, **kwargs) and the names of its output arrays; with
+  `output`, the arrays it picks come first and the count of them is returned."""
+  flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+  arrays = [_abstract(x) for x in flat if _is_array(x)]
+
+  def traced(p, arrays):
+    it = iter(arrays)
+    a, k = jax.tree_util.tree_unflatten(tree, [next(it) if _is_array(x) else x for x in flat])
+    out = fn(p, *a, **k)
+    return out if output is None else (output(out), out)
+
+  try:
+    closed, shape = jax.make_jaxpr(traced, return_shape=True)(
+        jax.tree.map(_abstract, params), arrays)
+  except Exception as e:  # any failure of the user's f (or output)
+    what = "f(params, *args)" + (" and output(...)" if output is not None else "")
+    raise ValueError(f"infer_routing could not trace {what}: {type(e).__name__}: {e}") from e
+  if output is not None:
+    picked = len(jax.tree.leaves(shape[0]))
+    if not picked:
+      raise ValueError("output= picked no array from f's result; give a function of the "
+                       "result that returns the model's output, e.g. output=lambda out: out[0].")
+    return closed, [], picked
+  flat_out = jax.tree_util.tree_flatten_with_path(shape)[0]
+  return closed, ["out" + jax.tree_util.keystr(p) for p, _ in flat_out], None
+
+
+def _heads(out_l, fed, names, picked, outcome, paths) -> frozenset:
+  """The leaves judged heads: those last before the picked output and fed to no other
+  dot/conv; with no pick, those of any output, unless their routing depends on which
+  output is the model's."""
+  if picked is not None:
+    return frozenset().union(*out_l[:picked]) - fed
+  candidates = [(n, l - fed) for n, l in zip(names, out_l) if l]  # outputs a dot/conv reaches
+  heads = frozenset().union(*(l for _, l in candidates))
+  split = [i for i in sorted(heads) if len({outcome(i, i in l) for _, l in candidates}) > 1]
+  if not split:
+    return heads
+  shown = "; ".join(f"{paths[i]!r} is a head (→ adam) only if the output is "
+                    f"{' or '.join(n for n, l in candidates if i in l)}" for i in split[:5])
+  more = f"; and {len(split) - 5} more" if len(split) > 5 else ""
+  listed = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+  example = next((n for n, _ in candidates if "logit" in n), candidates[0][0])
+  raise ValueError(
+      f"f returns {len(names)} arrays ({listed}), and which parameters are heads depends on "
+      f"which one is the model's output: {shown}{more}. Pass output=, a function of f's "
+      f"result that picks the model's output, e.g. output=lambda out: {example}.")
+
+
+def _route_leaf(path, leaf, shape, uses, head, per_head, overrides, views) -> Decision:
+  """The leaf's decision: the first matching override, else the inferred one."""
+  dtype = jax.numpy.result_type(leaf)
+  try:
+    if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):  # a counter, an index table
+      inferred, error = Decision(FROZEN, None, f"{dtype} → frozen"), None
+    else:
+      inferred, error = _decide(path, shape, uses, head, per_head), None
+  except ValueError as e:
+    inferred, error = None, e
+  decision = _override(overrides, path, leaf, shape, per_head, inferred)
+  if decision is None and error is not None:
+    raise error
+  decision = decision or inferred
+  view = views(path, shape) if views is not None and decision.label == MUON else None
+  if view is not None:
+    decision = Decision(MUON, view, f"{decision.reason} (view given)")
+  return decision
+
+
 def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] = (),
                   per_head: bool = False, views: Optional[ViewFn] = None,
-                  **kwargs: Any) -> Routing:
+                  output: Optional[Callable[[Any], Any]] = None, **kwargs: Any) -> Routing:
   """Routes every parameter by how `f(params, *args, **kwargs)` uses it.
 
   `f` is traced once with `jax.make_jaxpr` on abstract values (nothing is computed or
@@ -101,12 +221,15 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
     per head with `per_head=True`;
   - conv_general_dilated → "muon", (spatial · in_features) × out_features from the
     dimension numbers; grouped / depthwise → "adam";
-  - a dot_general whose result reaches the output with no other parameter's
-    dot_general or conv after it (the head) → "adam"; elementwise use only → "adam".
+  - a dot_general or conv whose result reaches the output with no other parameter's
+    dot_general or conv after it, and feeds none (the head) → "adam"; elementwise use
+    only → "adam".
 
   Args:
-    f: a function `f(params, *args, **kwargs)`, or an `nnx.Module` called as
-      `model(*args, **kwargs)` (its `nnx.Param` state is routed).
+    f: a function `f(params, *args, **kwargs)`; or an `nnx.Module` or an equinox
+      Module (or a method of one) called as `model(*args, **kwargs)`, whose
+      `nnx.Param` state, or whose inexact arrays (`eqx.filter(model,
+      eqx.is_inexact_array)`), are routed.
     *args, **kwargs: `params` (unless `f` is a Module), then example inputs: arrays
       or `jax.ShapeDtypeStruct`s; other values are passed as they are.
     overrides: (regex, label) pairs or callables (path, leaf) -> label | None, first
@@ -114,13 +237,17 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
     per_head: one matrix per attention head.
     views: (path, shape) -> MatrixView | None; where it gives a view for a Muon
       leaf, that view replaces the inferred one.
+    output: a function of f's result that picks the model's output (e.g.
+      `lambda out: out.logits`); heads are judged by it alone. Needed when f returns
+      several arrays (logits and hidden states) whose choice changes the routing.
 
   Returns:
     A `Routing`: pass it to `muon(routing=...)`, `describe`, `Checkpointer`.
 
   Raises:
-    ValueError: `f` fails to trace, or a leaf is unused or used in incompatible
-      ways (the message names the path and its uses; `overrides` settle it).
+    ValueError: `f` fails to trace; params are not a pytree of arrays; a leaf is unused
+      or used in incompatible ways (the message names the path and its uses;
+      `overrides` settle it); f returns several arrays and no `output` says which.
 
   Example:
     >>> import jax.numpy as jnp, muon_optax as mo
@@ -130,30 +257,10 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
     {'emb': 'adam', 'out': 'adam', 'w': 'muon'}
   """
   overrides = check_rules(overrides)
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is not None and isinstance(f, nnx.Module):
-    graphdef, params, rest = nnx.split(f, nnx.Param, ...)
-    # The rest (batch stats, RNG counts) is traced too, so that the call may update it.
-    fn = lambda p, rest, *a, **k: nnx.merge(graphdef, p, rest)(*a, **k)
-    args = (rest, *args)
-  elif not args:
-    raise ValueError("infer_routing(f, params, *args): pass the params to route.")
-  else:
-    fn, params, args = f, args[0], args[1:]
-  flat, tree = jax.tree_util.tree_flatten((args, kwargs))
-  arrays = [_abstract(x) for x in flat if _is_array(x)]
-
-  def traced(p, arrays):
-    it = iter(arrays)
-    a, k = jax.tree_util.tree_unflatten(tree, [next(it) if _is_array(x) else x for x in flat])
-    return fn(p, *a, **k)
-
+  fn, params, args = _split_call(f, args)
+  _check_params(params)
   leaves = _paths.leaves_with_path(params)
-  try:
-    closed = jax.make_jaxpr(traced)(jax.tree.map(_abstract, params), arrays)
-  except Exception as e:  # any failure of the user's f
-    raise ValueError(f"infer_routing could not trace f(params, *args): {type(e).__name__}: {e}"
-                     ) from e
+  closed, names, picked = _trace(fn, params, args, kwargs, output)
   shapes = [tuple(np.shape(x)) for _, x in leaves]
   n = len(shapes)
   walker = Walker(shapes)
@@ -161,20 +268,16 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
   invars = closed.jaxpr.invars
   _, out_l = walker.walk(closed.jaxpr, tracks + [None] * (len(invars) - n),
                          [frozenset()] * len(invars))
-  heads = frozenset().union(*out_l)
-  decisions = {}
-  for i, (path, leaf) in enumerate(leaves):
-    uses = list(walker.uses[i])
+  route = lambda i, head: _route_leaf(leaves[i][0], leaves[i][1], shapes[i],
+                                      list(walker.uses[i]), head, per_head, overrides, views)
+
+  def outcome(i, head):
     try:
-      inferred, error = _decide(path, shapes[i], uses, i in heads, per_head), None
+      decision = route(i, head)
+      return decision.label, decision.view
     except ValueError as e:
-      inferred, error = None, e
-    decision = _override(overrides, path, leaf, shapes[i], per_head, inferred)
-    if decision is None and error is not None:
-      raise error
-    decision = decision or inferred
-    view = views(path, shapes[i]) if views is not None and decision.label == MUON else None
-    if view is not None:
-      decision = Decision(MUON, view, f"{decision.reason} (view given)")
-    decisions[path] = (shapes[i], decision)
+      return str(e)
+
+  heads = _heads(out_l, walker.fed, names, picked, outcome, [p for p, _ in leaves])
+  decisions = {path: (shapes[i], route(i, i in heads)) for i, (path, _) in enumerate(leaves)}
   return Routing(decisions=decisions, per_head=per_head)

@@ -1,4 +1,5 @@
-"""The small nnx GPT the routing tests route: tied or untied head, multi-head attention."""
+"""The small nnx GPT the routing tests route: tied or untied head, multi-head attention,
+optionally returning its hidden states as transformers models do."""
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +27,12 @@ class GPT(nnx.Module):
     self.ln_f = nnx.LayerNorm(d, rngs=rngs)
     self.lm_head = None if tied else nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
 
-  def __call__(self, ids):
+  def __call__(self, ids, hidden_states=False):
     x = self.embed(ids) + self.pos_embed(jnp.arange(ids.shape[-1]))
+    hidden = []
     for block in self.blocks:
       x = block(x)
+      hidden.append(x)
     x = self.ln_f(x)
-    return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    return (logits, tuple(hidden)) if hidden_states else logits

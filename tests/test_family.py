@@ -1,0 +1,245 @@
+"""The Muon family (NorMuon, AdaMuon, adaptive scaling) against plain float64
+implementations written here from the papers' equations, over several steps; on 8
+devices against 1; through state_shardings, checkpoints, offload and qk_clip."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import muon_optax as mo
+from muon_optax._paths import leaves_with_path
+
+EPS32 = np.finfo(np.float32).eps
+STEPS = 4
+LR, WD, BETA = 0.05, 0.01, 0.9
+
+
+def svd_polar(x):
+  u, _, vt = jnp.linalg.svd(x, full_matrices=False)
+  return u @ vt
+
+
+# The optimizers orthogonalize with the exact polar factor, so the references below test
+# the family's own steps, independently of any Newton–Schulz polynomial.
+EXACT = mo.NewtonSchulz(fn=svd_polar)
+
+
+def make_params():
+  ks = jax.random.split(jax.random.key(0), 4)
+  return {"embed": {"embedding": jax.random.normal(ks[0], (24, 16))},
+          "fc": {"kernel": 0.1 * jax.random.normal(ks[1], (16, 48)), "bias": jnp.zeros(48)},
+          "proj": {"kernel": 0.1 * jax.random.normal(ks[2], (48, 16))},
+          "stack": {"kernel": 0.1 * jax.random.normal(ks[3], (2, 16, 16))}}
+
+
+def grads_at(step, params):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(100 + step), len(leaves))
+  return treedef.unflatten([jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def matrices(x):
+  """A leaf as a stack of (fan_in, fan_out) matrices: the default views of these leaves."""
+  return x.reshape(-1, *x.shape[-2:])
+
+
+def polar64(x):
+  u, _, vt = np.linalg.svd(x, full_matrices=False)
+  return u @ vt
+
+
+def normuon_direction(o, v, t, b2=0.95, eps=1e-10):
+  """NorMuon (Li et al. 2025, Algorithm 1 and its reference code) on one (in, out) matrix:
+  a second moment per output neuron, normalization, the pre-normalization norm kept."""
+  v = b2 * v + (1 - b2) * np.mean(o * o, axis=0, keepdims=True)  # mean over fan-in
+  normalized = o / (np.sqrt(v) + eps)
+  normalized *= np.linalg.norm(o) / (np.linalg.norm(normalized) + eps)
+  fan_in, fan_out = o.shape
+  return normalized * np.sqrt(max(1, fan_out / fan_in)), v
+
+
+def adamuon_direction(o, v, t, b2=0.999, eps=1e-8):
+  """AdaMuon (Si et al. 2025, Algorithm 1 and its reference code): an element-wise second
+  moment, debiased, normalization, then RMS alignment to 0.2."""
+  v = b2 * v + (1 - b2) * o * o
+  normalized = o / (np.sqrt(v / (1 - b2**t)) + eps)
+  m, n = o.shape
+  normalized *= np.sqrt(min(m, n)) / (np.linalg.norm(normalized) + eps)
+  return 0.2 * np.sqrt(max(m, n)) * normalized, v
+
+
+class PlainFamily:
+  """The optimizer, leaf by leaf in float64: momentum (no Nesterov), polar factor, the
+  variant's step, decoupled weight decay; plain AdamW (b2 0.999) for the rest."""
+
+  def __init__(self, direction, adam_lr=1e-2):
+    self.direction, self.adam_lr, self.t, self.state = direction, adam_lr, 0, {}
+
+  def step(self, params, grads):
+    self.t += 1
+    out = {}
+    for path, p in params.items():
+      g = grads[path]
+      s = self.state.setdefault(path, {"m": np.zeros_like(p), "v": None, "nu": np.zeros_like(p)})
+      if path.endswith("kernel"):
+        s["m"] = BETA * s["m"] + (1 - BETA) * g
+        update = []
+        v = s["v"] if s["v"] is not None else [None] * len(matrices(p))
+        for k, m in enumerate(matrices(s["m"])):
+          d, v[k] = self.direction(polar64(m), m, v[k], self.t)
+          update.append(d)
+        s["v"] = v
+        out[path] = p - LR * (np.stack(update).reshape(p.shape) + WD * p)
+      else:
+        s["m"] = 0.9 * s["m"] + 0.1 * g
+        s["nu"] = 0.999 * s["nu"] + 0.001 * g * g
+        m_hat, v_hat = s["m"] / (1 - 0.9**self.t), s["nu"] / (1 - 0.999**self.t)
+        out[path] = p - self.adam_lr * m_hat / (np.sqrt(v_hat) + 1e-8)
+    return out
+
+
+def normuon_ref(o, m, v, t):
+  return normuon_direction(o, 0 if v is None else v, t)
+
+
+def adamuon_ref(o, m, v, t):
+  return adamuon_direction(o, 0 if v is None else v, t)
+
+
+def adaptive_ref(o, m, v, t):
+  """PolarGrad / optax's adaptive Muon: ⟨M̂, O⟩·O with M̂ = M / (1 − βᵗ), Jordan's factor."""
+  fan_in, fan_out = o.shape
+  dual = np.sum(m / (1 - BETA**t) * o)
+  return dual * o * np.sqrt(max(1, fan_out / fan_in)), None
+
+
+FAMILY = {
+    "normuon": (lambda **kw: mo.normuon(LR, **kw), normuon_ref),
+    "adamuon": (lambda **kw: mo.adamuon(LR, **kw), adamuon_ref),
+    "adaptive": (lambda **kw: mo.muon(LR, scale="adaptive", **kw), adaptive_ref),
+}
+
+
+def assert_close_per_leaf(got, want, what):
+  """Each leaf within float32 rounding of its own size, step after step: every step is
+  float32 arithmetic on O(1) quantities whose results a different order of the same sums
+  (or float64) moves by some ulps; 64 per step, of the leaf's largest entry."""
+  for path, value in got.items():
+    tol = 64 * STEPS * EPS32 * np.abs(want[path]).max()
+    np.testing.assert_allclose(value, want[path], rtol=0, atol=tol, err_msg=f"{what} {path}")
+
+
+def flat(tree):
+  return {k: np.asarray(v, np.float64) for k, v in leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("name", FAMILY)
+def test_matches_a_plain_implementation_of_the_paper_over_several_steps(name):
+  make, direction = FAMILY[name]
+  params = make_params()
+  tx = make(beta=BETA, nesterov=False, ns=EXACT, weight_decay=WD, adam=mo.AuxAdam(1e-2))
+  ref, ref_params = PlainFamily(direction), flat(params)
+  state, update = tx.init(params), jax.jit(tx.update)
+  for step in range(STEPS):
+    grads = grads_at(step, params)
+    u, state = update(grads, state, params)
+    params = optax.apply_updates(params, u)
+    ref_params = ref.step(ref_params, flat(grads))
+  assert_close_per_leaf(flat(params), ref_params, name)
+
+
+def test_adaptive_matches_optax_contrib_muon_running_the_same_iteration():
+  params = {"w": 0.1 * jax.random.normal(jax.random.key(1), (16, 48)),
+            "v": 0.1 * jax.random.normal(jax.random.key(2), (48, 16)), "b": jnp.zeros(16)}
+  every_matrix = lambda p: jax.tree.map(lambda x: "muon" if x.ndim == 2 else "adam", p)
+  theirs = optax.contrib.muon(LR, nesterov=False, adaptive=True, adam_learning_rate=1e-2)
+  ours = mo.muon(LR, nesterov=False, scale="adaptive", routing=every_matrix,
+                 ns=mo.NewtonSchulz("jordan", steps=5, gram=False),
+                 adam=mo.AuxAdam(1e-2, b1=0.9, b2=0.999, eps=1e-8))
+  results = []
+  for tx in (ours, theirs):
+    p, state = params, tx.init(params)
+    for step in range(STEPS):
+      u, state = jax.jit(tx.update)(grads_at(step, p), state, p)
+      p = optax.apply_updates(p, u)
+    results.append(p)
+  # The same float32 operations but for optax's eps in the normalization (1e-8 next to
+  # ‖M‖_F ~ 1) and the order of the sums.
+  assert_close_per_leaf(flat(results[0]), flat(results[1]), "adaptive vs optax")
+
+
+def mesh_of(types):
+  return jax.make_mesh((8,), ("data",), axis_types=(types,))
+
+
+@pytest.mark.parametrize("name", FAMILY)
+@pytest.mark.parametrize("layout, types", [("zero1", AxisType.Auto), ("fsdp", AxisType.Explicit)])
+def test_eight_devices_equal_one(name, layout, types):
+  make, _ = FAMILY[name]
+  mesh, params = mesh_of(types), make_params()
+  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
+            else mo.fsdp_shardings(params, mesh))
+  results = []
+  for tx, shard in ((make(), None), (make(mesh=mesh), pshard)):
+    p = params if shard is None else jax.device_put(params, shard)
+    if shard is None:
+      state, update = tx.init(p), jax.jit(tx.update)
+    else:
+      sshard = mo.state_shardings(tx, p, mesh)
+      state = jax.jit(tx.init, out_shardings=sshard)(p)
+      update = jax.jit(tx.update, out_shardings=(shard, sshard))
+    for step in range(STEPS):
+      g = grads_at(step, params)
+      u, state = update(g if shard is None else jax.device_put(g, shard), state, p)
+      p = optax.apply_updates(p, u)
+    results.append((p, state))
+    if shard is not None:
+      assert update._cache_size() == 1  # one compilation for every step
+    if shard is not None and name != "adaptive":
+      # The new statistics are partitioned like the rest of the state.
+      second = [x for path, x in leaves_with_path(state) if "/nu/" in f"/{path}/"
+                and path.startswith("inner_states/muon")]
+      assert second and all(not x.sharding.is_fully_replicated for x in second), second
+  (want_p, want_s), (got_p, got_s) = results
+  # The same float32 iteration on whole matrices; only the order of sums differs.
+  assert_close_per_leaf(flat(got_p), flat(want_p), name)
+  assert_close_per_leaf(flat(got_s), flat(want_s), name)
+
+
+def test_per_neuron_statistic_follows_its_parameter_under_fsdp():
+  mesh = mesh_of(AxisType.Auto)
+  params = {"fc": {"kernel": jnp.zeros((16, 64))}}
+  pshard = {"fc": {"kernel": NamedSharding(mesh, P(None, "data"))}}
+  placed = jax.device_put(params, pshard)
+  shardings = mo.state_shardings(mo.normuon(mesh=mesh), placed, mesh)
+  nu = shardings.inner_states["muon"].inner_state[0][2].nu["fc"]["kernel"]
+  assert jax.eval_shape(mo.normuon().init, params).inner_states["muon"].inner_state[0][2].nu[
+      "fc"]["kernel"].shape == (1, 64)
+  assert nu.spec == P(None, "data")  # its neurons live where the kernel's columns do
+
+
+@pytest.mark.parametrize("name", FAMILY)
+def test_checkpoint_describe_offload_and_qk_clip(name, tmp_path):
+  make, _ = FAMILY[name]
+  params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))}, "key": {"kernel": jnp.ones((8, 2, 4))}},
+            **make_params()}
+  params = jax.device_put(params, jax.devices()[0])
+  tx = optax.chain(make(offload_momentum=True), mo.qk_clip(tau=10.0))
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, p: tx.update(g, s, p, max_logits={"attn": jnp.array([5.0, 40.0])}))
+  u, state = step(params, state, params)
+  u, state = step(params, state, params)
+  assert step._cache_size() == 1
+  assert "attn/query/kernel" in mo.describe(params)
+  with mo.checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(2, params, state)
+    ckpt.wait()
+    target = mo.checkpoint.abstract_target(tx, params)
+    restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
+  for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
