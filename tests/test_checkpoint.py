@@ -1,11 +1,16 @@
-"""Checkpoints: restore on any device count, bit-exact resume, crash safety, clear errors."""
+"""Checkpoints: restore on any device count, bit-exact resume, crash safety, corruption
+detection, clear errors."""
 
 import functools
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
-from muon_optax.checkpoint import Checkpointer, abstract_target
+from muon_optax import _paths
+from muon_optax.checkpoint import Checkpointer, CorruptCheckpointError, _files, abstract_target
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -45,9 +51,9 @@ def loss_fn(params, step):
   return optax.softmax_cross_entropy_with_integer_labels(logits, (3 * x + 1) % VOCAB).mean()
 
 
-def make_tx(mesh=None, **kw):
-  kw = {"adam_backend": "reference", **kw}
-  return mo.muon(0.02, weight_decay=0.01, adam=mo.AuxAdam(3e-3, weight_decay=0.1), mesh=mesh, **kw)
+def make_tx(mesh=None, adam_backend="reference", labels=None, **kw):
+  adam = mo.AuxAdam(3e-3, weight_decay=0.1, backend=adam_backend)
+  return mo.muon(0.02, weight_decay=0.01, adam=adam, mesh=mesh, routing=labels, **kw)
 
 
 def make_mesh(n):
@@ -85,6 +91,11 @@ def fill(tree, seed):
       lambda x: jnp.asarray(np.abs(rng.standard_normal(x.shape)) * 100, x.dtype), tree)
 
 
+def tree_equal(a, b):
+  return all(np.array_equal(np.asarray(x), np.asarray(y))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def assert_equal(actual, expected):
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
@@ -120,6 +131,7 @@ def test_restore_on_any_device_count(saved, n):
   else:
     target = abstract_target(trainer(n)[0], params, make_mesh(n))
   with Checkpointer(directory) as ckpt:
+    assert ckpt.metadata()["checksums"]["params"]  # so restore checks them on this mesh
     restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
   assert restored.step == K and restored.metadata == {"data_position": K}
   assert_equal(restored.params, params)
@@ -232,7 +244,7 @@ def test_mismatch_is_a_clear_error(tmp_path, case):
     ckpt.wait()
   target = abstract_target(make_tx(**target_kw), target_params)
   with pytest.raises(ValueError, match=message), Checkpointer(
-      tmp_path, labels=target_kw.get("labels")) as ckpt:
+      tmp_path, routing=target_kw.get("labels")) as ckpt:
     ckpt.restore(params_target=target[0], opt_state_target=target[1])
 
 
@@ -325,3 +337,163 @@ def test_killed_save_leaves_the_previous_checkpoint(tmp_path):
     assert ckpt.all_steps() == [1, 2]
   # Removal starts when a Checkpointer opens the directory and ends before its first save.
   assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+
+
+def test_incomplete_steps_are_not_listed_and_do_not_block_saving(tmp_path):
+  params, tx = make_params(), make_tx()
+  target = abstract_target(tx, params)
+  states = {step: fill(target[1], step) for step in range(2, 7)}
+  with Checkpointer(tmp_path, max_to_keep=3) as ckpt:
+    for step in (2, 3, 4):
+      ckpt.save(step, params, states[step])
+  # Step 2 partly deleted, as a kill during Orbax's in-place deletion leaves it; step 5
+  # partly written (a copy cut short); step 6 a copy that lacks its file inventory.
+  for path in sorted((tmp_path / "2" / "opt_state").rglob("*"))[::2]:
+    if path.is_file():
+      path.unlink()
+  shutil.copytree(tmp_path / "4", tmp_path / "5")
+  for path in (tmp_path / "5" / "params").rglob("*"):
+    if path.is_file() and path.parent.name == "d":
+      path.unlink()
+  shutil.copytree(tmp_path / "4", tmp_path / "6")
+  (tmp_path / "6" / _files.INVENTORY).unlink()
+  with Checkpointer(tmp_path, max_to_keep=3) as ckpt:
+    assert ckpt.all_steps() == [3, 4] and ckpt.latest_step() == 4
+    restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
+    assert restored.step == 4
+    assert_equal(restored.opt_state, states[4])
+    ckpt.save(5, params, states[5])  # the step a partial copy had taken
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 4, 5]
+    assert_equal(ckpt.restore(5, params_target=target[0], opt_state_target=target[1]).opt_state,
+                 states[5])
+    lost = next(p for p in (tmp_path / "3" / "params").rglob("*") if p.parent.name == "d")
+    lost.unlink()  # a listed step damaged after the listing: named, not read
+    with pytest.raises(CorruptCheckpointError, match=f"step 3 .*damaged file:\n  {lost}: missing"):
+      ckpt.restore(3, params_target=target[0], opt_state_target=target[1])
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4", "5"]
+
+
+def flip_bytes(directory, where):
+  """Flips bytes of the largest array data file under `directory`: a few in the middle
+  (the stored values change) or the first (the file no longer decodes)."""
+  path = max((p for p in directory.rglob("*") if p.parent.name == "d"),
+             key=lambda p: p.stat().st_size)
+  data = bytearray(path.read_bytes())
+  middle = len(data) // 2
+  for offset in {"middle": (middle // 2, middle, middle + 5), "start": (0,)}[where]:
+    data[offset] ^= 0x5A
+  path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("tree, where", [
+    ("params", "middle"), ("opt_state", "middle"), ("params", "start")])
+def test_flipped_bytes_of_an_array_file_are_detected(tmp_path, tree, where):
+  params, tx = make_params(), make_tx()
+  target = abstract_target(tx, params)
+  saved = {"params": params, "opt_state": fill(target[1], 0)}
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(7, saved["params"], saved["opt_state"])
+    ckpt.wait()
+  flip_bytes(tmp_path / "7" / tree, where)
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(CorruptCheckpointError) as error:
+      ckpt.restore(params_target=target[0], opt_state_target=target[1])
+    message = str(error.value)
+    if where == "middle":  # without the checksums the wrong values go unnoticed
+      unverified = ckpt.restore(params_target=target[0], opt_state_target=target[1], verify=False)
+      assert not tree_equal(unverified._asdict()[tree], saved[tree])
+  assert message.startswith(f"checkpoint step 7 in {tmp_path} is corrupted: ")
+  paths = dict(_paths.leaves_with_path(saved[tree]))
+  named = re.findall(rf"{tree} leaf '([^']+)'", message)
+  assert named and set(named) <= set(paths), message
+  store = tmp_path / "7" / tree
+  assert str(store) in message
+  if where == "start":
+    assert f"leaf {named[0]!r} could not be read from {store} (" in message
+
+
+@pytest.mark.parametrize("damage", ["changed bytes", "invalid JSON"])
+def test_a_corrupt_record_names_its_file_and_step(tmp_path, damage):
+  params, tx = make_params(), make_tx()
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(3, params, tx.init(params))
+    ckpt.wait()
+  record = tmp_path / "3" / "meta" / "metadata"
+  text = record.read_bytes()
+  record.write_bytes(b"{" + text[2:] + b" ")  # same size
+  if damage == "invalid JSON":  # written wrong before the commit: its CRC-32 agrees
+    inventory = tmp_path / "3" / _files.INVENTORY
+    files = json.loads(inventory.read_text())
+    files["files"]["meta/metadata"][1] = zlib.crc32(record.read_bytes())
+    inventory.write_text(json.dumps(files))
+  expected = {"changed bytes": f"{record}: its bytes differ from those saved",
+              "invalid JSON": f"its record {record} is not valid JSON"}[damage]
+  target = abstract_target(tx, params)
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(CorruptCheckpointError, match=f"(?s)step 3 in {tmp_path} is corrupted: .*"
+                       + re.escape(expected)):
+      ckpt.metadata()
+    with pytest.raises(CorruptCheckpointError, match=re.escape(expected)):
+      ckpt.restore(params_target=target[0], opt_state_target=target[1])
+
+
+# Saves steps `latest + 1, latest + 2, ...` until killed: params + step and a state
+# filled from the step, so any restored step can be checked against what was saved.
+SAVER = """
+import pathlib, sys
+sys.path.insert(0, {tests!r})
+import test_checkpoint as t
+directory, marker = sys.argv[1:]
+params, tx = t.make_params(), t.make_tx()
+target = t.abstract_target(tx, params)
+ckpt = t.Checkpointer(directory, max_to_keep=2)
+step = (ckpt.latest_step() or 0) + 1
+ckpt.save(step, *t.saved_at(step, params, target[1]))
+ckpt.wait()
+pathlib.Path(marker).touch()  # a step of this run is committed: kill from now on
+while True:
+  step += 1
+  ckpt.save(step, *t.saved_at(step, params, target[1]))
+"""
+
+
+def saved_at(step, params, state_target):
+  return jax.tree.map(lambda x: x + step, params), fill(state_target, step)
+
+
+@pytest.mark.slow
+def test_every_listed_step_restores_after_kills_at_random_moments(tmp_path):
+  rng = np.random.default_rng(0)
+  directory, marker = tmp_path / "ckpt", tmp_path / "saved"
+  script = SAVER.format(tests=os.path.dirname(__file__))
+  params, tx = make_params(), make_tx()
+  target = abstract_target(tx, params)
+  latest = 0
+  for _ in range(4):
+    marker.unlink(missing_ok=True)
+    with open(tmp_path / "saver.log", "w+") as log:  # a file: a full pipe would stall it
+      proc = subprocess.Popen([sys.executable, "-c", script, str(directory), str(marker)],
+                              stdout=log, stderr=subprocess.STDOUT)
+      try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+          if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail("the saver exited:\n" + log.read()[-3000:])
+          assert time.monotonic() < deadline, "the saver never committed a step"
+          time.sleep(0.05)
+        time.sleep(rng.uniform(0, 1.5))  # somewhere in a save, a commit or a deletion
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+      finally:
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait(timeout=60)
+    with Checkpointer(directory, max_to_keep=2) as ckpt:
+      # The step the run committed before the kill window survives (or a later one).
+      assert ckpt.latest_step() > latest, (ckpt.all_steps(), latest)
+      latest = ckpt.latest_step()
+      for step in ckpt.all_steps():
+        restored = ckpt.restore(step, params_target=target[0], opt_state_target=target[1])
+        assert_equal((restored.params, restored.opt_state), saved_at(step, params, target[1]))

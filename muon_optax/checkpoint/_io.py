@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +13,8 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax import _routing
-from muon_optax._matrix_view import ViewFn
 from muon_optax._state_sharding import state_shardings
-from muon_optax.checkpoint import _record
+from muon_optax.checkpoint import _checksum, _files, _record
 
 
 def _ocp():
@@ -101,7 +100,7 @@ def abstract_target(tx: optax.GradientTransformation, params: Any, mesh: Optiona
 def _init_shapes(tx: optax.GradientTransformation, params: Any) -> tuple[Any, Any]:
   """`tx.init(params)` abstractly, and per leaf whether init puts it in host memory.
 
-  Offloaded state (`adam_backend="offload"`, `offload_momentum=True`) must be read
+  Offloaded state (`AuxAdam(backend="offload")`, `offload_momentum=True`) must be read
   back into host memory: it may not fit on the device. `jax.eval_shape` drops the
   memory space; the traced program keeps it.
   """
@@ -109,6 +108,10 @@ def _init_shapes(tx: optax.GradientTransformation, params: Any) -> tuple[Any, An
   on_host = [getattr(a, "memory_space", None) == jax.memory.Space.Host
              for a in traced.jaxpr.out_avals]
   return traced.out_info, jax.tree.structure(traced.out_info).unflatten(on_host)
+
+
+class CorruptCheckpointError(OSError):
+  """A listed checkpoint whose files or arrays differ from what `save` wrote."""
 
 
 class Checkpointer:
@@ -119,9 +122,9 @@ class Checkpointer:
     max_to_keep: how many of the most recent checkpoints to keep; None keeps all.
     async_save: write in a background thread; `save` returns once the arrays are
       copied off the devices. `wait()` blocks until the writes are committed.
-    routing (or its shorthands labels, rules, views, per_head): the routing given to
-      `muon` (None: the default name rules), e.g. from `infer_routing`. It is recorded
-      with each checkpoint and checked on restore.
+    routing: the `routing=` given to `muon` (a `Routing`, e.g. from `infer_routing`, or
+      labels as `optax.partition` takes them; None: the default name rules). It is
+      recorded with each checkpoint and checked on restore.
 
   Example:
     >>> import jax, jax.numpy as jnp, tempfile, muon_optax as mo
@@ -138,29 +141,43 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = 3,
-               async_save: bool = True, routing: Optional[_routing.Routing] = None,
-               labels: _routing.Labels = None, rules: Optional[Sequence[_routing.Rule]] = None,
-               views: Optional[ViewFn] = None, per_head: bool = False):
+               async_save: bool = True, routing: Any = None):
     ocp = _ocp()
     self.directory = os.path.abspath(os.fspath(directory))
-    self.routing = _routing.as_routing(routing=routing, labels=labels, rules=rules,
-                                       views=views, per_head=per_head)
+    self.routing = _routing.as_routing(routing)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True)  # drop what a killed save left behind
+        cleanup_tmp_directories=True,  # drop what a killed save left behind
+        todelete_subdir=_files.TRASH,  # retire an old step in one rename, not file by file
+        temporary_path_class=_files.temporary_path_class())  # list complete steps only
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._async = async_save
+    self._primary = jax.process_index() == 0  # the host that commits and deletes
+    if self._primary:
+      self._remove_unlisted()
+
+  def _remove_unlisted(self) -> None:
+    """Removes step directories that are not listed (incomplete: a killed job's), which
+    would otherwise block saving their step, and what earlier runs left in the trash."""
+    listed = set(self.all_steps())
+    for step, path in _files.step_dirs(self.directory).items():
+      if step not in listed:
+        _files.set_aside(path)
+    _files.purge(self.directory)
 
   def record(self, params: Any, opt_state: Any) -> dict:
     """The JSON record `save` writes beside (params, opt_state), without user metadata."""
-    return _record.record(params, opt_state, self.routing, self.routing.view)
+    return _record.record(params, opt_state, self.routing)
 
   def save(self, step: int, params: Any, opt_state: Any, *,
-           metadata: Optional[dict] = None) -> None:
+           metadata: Optional[dict] = None, checksums: bool = True) -> None:
     """Saves params, optimizer state and the JSON record (plus `metadata`) as `step`.
 
     With `async_save` the arrays are written in the background; call `wait()` before
     reading the checkpoint back or exiting. Older checkpoints beyond `max_to_keep`
-    are deleted once this one is committed.
+    are retired once this one is committed. With `checksums` (the default) the record
+    holds a checksum of every array, which `restore` verifies; computing them reads
+    each array once on the devices that hold it.
     """
     ocp = _ocp()
     record = {**self.record(params, opt_state), "step": int(step), "user": metadata or {}}
@@ -168,19 +185,52 @@ class Checkpointer:
       json.dumps(record)
     except TypeError as e:
       raise ValueError(f"checkpoint metadata must be JSON-serializable: {e}") from None
+    if checksums:
+      sums = _checksum.checksums_of([params, opt_state])
+      record["checksums"] = {"algorithm": _checksum.ALGORITHM, "params": sums[0],
+                             "opt_state": sums[1]}
+    self._settle()
     self._manager.save(int(step), args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
         meta=ocp.args.JsonSave(record)))
+    if not self._async:
+      self._settle()
+
+  def _settle(self) -> None:
+    """Waits for the save in flight, then empties the trash of the steps it retired.
+    Nothing renames into the trash while no save is in flight."""
+    self._manager.wait_until_finished()
+    if self._primary:
+      _files.purge(self.directory)
 
   def metadata(self, step: Optional[int] = None) -> dict:
     """The JSON record of checkpoint `step` (default: the latest); its "user" entry
-    holds the `metadata` given to `save`."""
+    holds the `metadata` given to `save`.
+
+    Raises:
+      FileNotFoundError: no such checkpoint.
+      CorruptCheckpointError: the record's bytes changed since it was saved, or it is
+        not valid JSON; the message names the file and the step.
+    """
     ocp = _ocp()
     step = self._step(step)
-    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    self._check_files(step, contents=True, only="meta" + os.sep)
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))["meta"]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise CorruptCheckpointError(
+          f"checkpoint step {step} in {self.directory} is corrupted: its record "
+          f"{self._record_file(step)} is not valid JSON ({e})") from None
 
-  def restore(self, step: Optional[int] = None, *, params_target: Any, opt_state_target: Any
-              ) -> Restored:
+  def _record_file(self, step: int) -> str:
+    """The file holding the JSON record of `step` (its directory if that is unclear)."""
+    directory = os.path.join(self._step_dir(step), "meta")
+    names = [n for n in sorted(os.listdir(directory)) if n != "commit_success.txt"]
+    return os.path.join(directory, names[0]) if len(names) == 1 else directory
+
+  def restore(self, step: Optional[int] = None, *, params_target: Any, opt_state_target: Any,
+              verify: bool = True) -> Restored:
     """Reads checkpoint `step` (default: the latest) into the given targets.
 
     Args:
@@ -188,6 +238,8 @@ class Checkpointer:
       params_target, opt_state_target: arrays or `jax.ShapeDtypeStruct`s giving the
         structure, dtypes and shardings to restore into, e.g. from `abstract_target`.
         A leaf without a sharding lands on the default device.
+      verify: check the restored arrays against the checksums saved with them (if
+        `save` wrote any), and the checkpoint's metadata files against their CRC-32s.
 
     Returns:
       `Restored(step, params, opt_state, metadata)`.
@@ -197,18 +249,62 @@ class Checkpointer:
       ValueError: the checkpoint's tree, a shape, a dtype or a routing label differs
         from the target's; the message lists each differing path with both values
         (the first 20, then how many more).
+      CorruptCheckpointError: a file of the checkpoint is missing, or it or an array
+        read from it differs from what was saved; the message names the step, each
+        differing leaf path or file, and the directory holding the arrays.
     """
     ocp = _ocp()
     step = self._step(step)
+    self._check_files(step, contents=verify)
     saved = self.metadata(step)
     params_t, state_t = _abstract(params_target), _abstract(opt_state_target)
     # The AdamW backends share one (count, mu, nu) layout, so a state saved under one
     # reads straight into another's target.
     _record.check_fits(saved, self.record(params_t, state_t),
                        f"checkpoint step {step} in {self.directory} ")
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(params_t), opt_state=ocp.args.StandardRestore(state_t)))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(params_t), opt_state=ocp.args.StandardRestore(state_t)))
+    except Exception as e:  # a data file that no longer decodes; anything else as it is
+      failure = _files.read_failure(e)
+      if failure is None:
+        raise
+      tree, path = _files.leaf_of(failure.key, failure.store, saved)
+      raise CorruptCheckpointError(
+          f"checkpoint step {step} in {self.directory} is corrupted: {tree} leaf {path!r} "
+          f"could not be read from {failure.store} ({failure.message})") from e
+    if verify and "checksums" in saved:
+      self._verify(step, saved["checksums"], restored)
     return Restored(step, restored["params"], restored["opt_state"], saved.get("user", {}))
+
+  def _verify(self, step: int, saved: dict, restored: Any) -> None:
+    """A CorruptCheckpointError listing the restored arrays whose checksum differs."""
+    if saved.get("algorithm") != _checksum.ALGORITHM:
+      raise ValueError(f"checkpoint step {step} in {self.directory} has checksums of kind "
+                       f"{saved.get('algorithm')!r}; restore with verify=False, or upgrade "
+                       "muon_optax to check them.")
+    sums = _checksum.checksums_of([restored["params"], restored["opt_state"]])
+    computed = {"params": sums[0], "opt_state": sums[1]}
+    lines = _record.checksum_differences(saved, computed)
+    if lines:
+      trees = sorted({line.split(" ", 1)[0] for line in lines})
+      where = " and ".join(os.path.join(self._step_dir(step), t) for t in trees)
+      raise CorruptCheckpointError(
+          f"checkpoint step {step} in {self.directory} is corrupted: arrays read back differ "
+          f"from those saved ({where} holds them, in OCDBT data files under d/ and "
+          f"ocdbt.process_*/d/): " + _record.listing(lines, "damaged array"))
+
+  def _check_files(self, step: int, *, contents: bool, only: str = "") -> None:
+    """A CorruptCheckpointError naming the files of `step` that are missing, resized or,
+    with `contents`, changed (metadata files only; arrays are checked by checksum)."""
+    lines = _files.problems(self._step_dir(step), contents=contents, only=only)
+    if lines:
+      raise CorruptCheckpointError(
+          f"checkpoint step {step} in {self.directory} is corrupted: "
+          + _record.listing(lines, "damaged file"))
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
 
   def _step(self, step: Optional[int]) -> int:
     if step is None:
@@ -221,20 +317,22 @@ class Checkpointer:
     return int(step)
 
   def latest_step(self) -> Optional[int]:
-    """The newest committed step, or None."""
+    """The newest complete step, or None."""
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    """Every committed step still kept, oldest first."""
+    """Every complete step still kept, oldest first."""
     return sorted(self._manager.all_steps())
 
   def wait(self) -> None:
     """Blocks until every pending save is written and committed."""
-    self._manager.wait_until_finished()
+    self._settle()
 
   def close(self) -> None:
     """Waits for pending saves and releases Orbax's resources."""
     self._manager.close()
+    if self._primary:
+      _files.purge(self.directory)
 
   def __enter__(self) -> "Checkpointer":
     return self

@@ -1,4 +1,5 @@
-"""The JSON record saved with each checkpoint, and its comparison with a restore target.
+"""The JSON record saved with each checkpoint, and its comparison with a restore target
+and with the checksums of the restored arrays.
 
 Pure: it reads shapes, dtypes, routing labels and state types, never arrays or files,
 so it is tested without Orbax.
@@ -14,7 +15,6 @@ import optax
 
 from muon_optax import _paths, _routing
 from muon_optax._adamw import REMOVED, STATE_TYPES
-from muon_optax._matrix_view import ViewFn
 from muon_optax._state_sharding import mirrored_param
 
 FORMAT = 1  # version of the JSON record; bumped on incompatible changes
@@ -64,13 +64,12 @@ def _check_labels_fit_state(labels: dict[str, str], params: dict, state: Any) ->
               "muon(...).")
 
 
-def _routing_record(params: Any, state: Any, labels: _routing.Labels, views: ViewFn
-                    ) -> Optional[dict]:
+def _routing_record(params: Any, state: Any, routing: _routing.Routing) -> Optional[dict]:
   """Path -> {"label", "view"} of every parameter, or None if `state` holds no muon(...) state."""
   if not _partitions(state):
     return None
   try:
-    label_tree = _routing.resolve_labels(labels, params)
+    label_tree = routing.labels(params)
     flat_labels = dict(_paths.leaves_with_path(label_tree))
   except ValueError as e:
     raise ValueError(
@@ -78,14 +77,14 @@ def _routing_record(params: Any, state: Any, labels: _routing.Labels, views: Vie
   _check_labels_fit_state(flat_labels, leaves(params), state)
   record = {}
   for path, x in _paths.leaves_with_path(params):
-    view = views(path, tuple(jnp.shape(x))) if flat_labels[path] == _routing.MUON else None
+    view = routing.view(path, tuple(jnp.shape(x))) if flat_labels[path] == _routing.MUON else None
     if view is not None:
       view = {**view._asdict(), "matrices": view.describe(jnp.shape(x))}
     record[path] = {"label": flat_labels[path], "view": view}
   return record
 
 
-def record(params: Any, opt_state: Any, labels: _routing.Labels, views: ViewFn) -> dict:
+def record(params: Any, opt_state: Any, routing: _routing.Routing) -> dict:
   """The JSON record of (params, opt_state): shape and dtype per path, routing label and
   matrix view per parameter, AdamW backend per AdamW state, format and version."""
   from muon_optax import __version__
@@ -94,7 +93,7 @@ def record(params: Any, opt_state: Any, labels: _routing.Labels, views: ViewFn) 
       "muon_optax_version": __version__,
       "params": leaves(params),
       "opt_state": leaves(opt_state),
-      "routing": _routing_record(params, opt_state, labels, views),
+      "routing": _routing_record(params, opt_state, routing),
       "adam_backends": adam_states(opt_state),
   }
 
@@ -120,10 +119,11 @@ def _show(value: Any) -> str:
   return str(tuple(value)) if isinstance(value, list) else repr(value)
 
 
-def _listing(lines: list[str]) -> str:
+def listing(lines: list[str], noun: str = "difference") -> str:
+  """'N <noun>s:' and the first MAX_LISTED lines, one per line, then how many more."""
   shown = "\n  ".join(lines[:MAX_LISTED])
   more = f"\n  ... and {len(lines) - MAX_LISTED} more" if len(lines) > MAX_LISTED else ""
-  return f"{len(lines)} difference{'s' if len(lines) > 1 else ''}:\n  {shown}{more}"
+  return f"{len(lines)} {noun}{'s' if len(lines) > 1 else ''}:\n  {shown}{more}"
 
 
 def check_fits(saved: dict, current: dict, where: str) -> None:
@@ -152,4 +152,17 @@ def check_fits(saved: dict, current: dict, where: str) -> None:
     lines = differences("optimizer state leaf", saved["opt_state"], current["opt_state"],
                         ("shape", "dtype"))
   if lines:
-    raise ValueError(where + "does not fit the restore target: " + _listing(lines))
+    raise ValueError(where + "does not fit the restore target: " + listing(lines))
+
+
+def checksum_differences(saved: dict, restored: dict) -> list[str]:
+  """One line per array whose checksum after restore differs from the one saved; both
+  map "params" and "opt_state" to path -> checksum."""
+  lines = []
+  for tree in ("params", "opt_state"):
+    for path, expected in sorted(saved[tree].items()):
+      actual = restored[tree].get(path)
+      if actual != expected:
+        found = "no such leaf" if actual is None else f"checksum {actual:#010x}"
+        lines.append(f"{tree} leaf {path!r}: {found} after restore, {expected:#010x} when saved")
+  return lines
