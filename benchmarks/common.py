@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmarks and examples: the machine a number was measured on,
-GPT-2-shaped parameter trees, a donating optimizer step, and interleaved timing.
+"""Helpers shared by the benchmarks: GPT-2-shaped parameter trees, a donating optimizer
+step, interleaved timing and its report (`machine` and `machine_info`, from
+`workload.machine`, name the machine beside every number).
 
 Import from the repository root: `from benchmarks import common`.
 """
@@ -7,7 +8,7 @@ Import from the repository root: `from benchmarks import common`.
 from __future__ import annotations
 
 import os
-import platform
+import statistics
 import time
 from typing import Any, Callable, Optional
 
@@ -16,35 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from workload.machine import machine, machine_info  # noqa: F401  (re-exported)
+
 # GPT-2 small: width, vocabulary, context, and the four hidden kernels of a block.
 D, VOCAB, CTX = 768, 50257, 1024
 KERNELS = {"attn/qkv": (D, 3 * D), "attn/proj": (D, D), "mlp/fc": (D, 4 * D),
            "mlp/fc_proj": (4 * D, D)}
-
-
-def machine_info() -> dict[str, Any]:
-  """The machine, as a JSON-able record: CPU, core count, load, library versions, devices."""
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return {"platform": platform.platform(), "processor": cpu, "cpu_count": os.cpu_count(),
-          "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-          "python": platform.python_version(), "jax": jax.__version__,
-          "optax": optax.__version__, "backend": jax.default_backend(),
-          "device_kind": jax.devices()[0].device_kind,
-          "devices": [str(d) for d in jax.devices()]}
-
-
-def machine() -> str:
-  """One line naming the machine a benchmark ran on, printed beside its numbers."""
-  m = machine_info()
-  load = "" if m["load_average_1min"] is None else f", load {m['load_average_1min']:.1f}"
-  return (f"{platform.system()} {platform.machine()}, {m['processor']}, {m['cpu_count']} CPU "
-          f"cores visible{load}; jax {m['jax']} on {m['device_kind']} ({m['backend']}); "
-          f"optax {m['optax']}")
 
 
 def gpt2_tree(layers: int = 12, key: Optional[jax.Array] = None, *, d: int = D,
@@ -152,3 +130,30 @@ def time_steps(arms: dict[str, optax.GradientTransformation], params: Any, grads
 
   times = time_interleaved({name: call(*run) for name, run in runs.items()}, steps, warmup)
   return times, {name: carry[1] for name, (_, carry) in runs.items()}
+
+
+def load_average() -> float:
+  """The 1-minute load average (0 where the platform has none)."""
+  return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def load_note(before: float, after: float, cores: int = os.cpu_count() or 1) -> str:
+  """The load average around a timed run, and whether the machine was busy: on a busy
+  machine, time ratios flatter whichever arm suffers less from contention."""
+  busy = max(before, after) >= 0.5 * cores
+  verdict = ("BUSY: other jobs ran, so ratios are indicative only" if busy else
+             "the machine was otherwise idle")
+  return f"load average {before:.2f} before, {after:.2f} after ({verdict})"
+
+
+def ratio_table(times: dict[str, list[float]], reference: str, unit: float = 1e3,
+                unit_name: str = "ms") -> str:
+  """Min and median of each arm's times and their ratios to `reference`'s, one row an arm."""
+  ref_min, ref_med = min(times[reference]), statistics.median(times[reference])
+  rows = [f"| arm | min {unit_name} | median {unit_name} | min / {reference} | "
+          f"median / {reference} | N |", "|---|--:|--:|--:|--:|--:|"]
+  for name, ts in times.items():
+    lo, med = min(ts), statistics.median(ts)
+    rows.append(f"| {name} | {lo * unit:.2f} | {med * unit:.2f} | {lo / ref_min:.2f}× | "
+                f"{med / ref_med:.2f}× | {len(ts)} |")
+  return "\n".join(rows)

@@ -1,26 +1,29 @@
-"""Muon (+ aux AdamW) vs AdamW: validation loss per step on the same GPT and the same data.
+"""The Muon family against AdamW: validation loss on the same GPT and data, each optimizer
+at its own best learning rate, two seeds; the Newton–Schulz presets by training loss;
+and each optimizer's step time relative to Muon's.
 
-Both arms train `examples/gpt.py` on the standard library's source bytes
-(`examples/stdlib_text.py`) with the same initialization and the same batch sequence,
-under the same warmup + cosine schedule, each over a learning-rate sweep:
+Every run trains `workload/gpt.py` on the standard library's source bytes with the same
+initialization and batch sequence (per seed) under the same warmup + cosine schedule
+(`workload/train.py`; AdamW with b2 0.95, gradients clipped to norm 1). Protocol:
 
-1. AdamW over --adamw-lrs (every parameter);
-2. Muon over --muon-lrs for the hidden matrices, its aux AdamW (embeddings, head, norms,
-   biases) at the best AdamW learning rate from step 1.
+1. AdamW sweeps its rates (seed 0); its best is every family member's aux AdamW rate.
+2. Each of muon, normuon, adamuon and adaptive (muon(scale="adaptive")) sweeps its own
+   rates (seed 0). A sweep whose best is at an edge is extended past that edge, doubling
+   or halving, until the best is inside it (at most --extend times).
+3. At each optimizer's best rate, the other seeds run too: the table reports the mean
+   final validation loss over seeds and their spread (max − min), and the steps each
+   needs to reach AdamW's mean final validation loss (its curve read between
+   evaluations; "—" if it never does), as a fraction of the run.
+4. --presets: Muon at its best rate with each Newton–Schulz preset, every seed.
+5. The optimizer step (update + apply) of each optimizer on this model, jitted, timed
+   interleaved: min and median of --time-reps calls, relative to Muon's, with the load
+   average around them.
 
-Reported: the best final validation loss of each arm; the steps the best Muon run needs
-to reach the best AdamW final validation loss, as a ratio of AdamW's steps (read off
-Muon's validation curve, linearly interpolated between evaluations: conservative, since
-that run's schedule has not decayed yet at that step); Newton–Schulz flops as a
-percentage of training flops (6·N·tokens, N = all parameters). Writes the curves to
---out-dir/convergence.png and every run to --out-dir/convergence.json.
+Writes --out-dir/convergence.json (every run), convergence.png (best runs' validation
+curves) and prints the tables.
 
-The default is the main job's configuration (`python -m examples.train_gpt`), whose
-learning rates are the best of this sweep (benchmarks/results/convergence.txt).
-
-    python -m benchmarks.convergence                       # ~5 min on 2 idle CPU cores
-    python -m benchmarks.convergence --steps 2000 --d-model 256 --layers 6 --heads 8 \\
-        --seq-len 256 --batch 64                           # a bigger run for an accelerator
+    python -m benchmarks.convergence                          # main job's config, ~30 min
+    python -m benchmarks.convergence --layers 4 --d-model 128 # the wider config
 """
 
 from __future__ import annotations
@@ -28,16 +31,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import time
 from typing import Any, Optional
 
+import jax
 import numpy as np
+from flax import nnx
 
-from benchmarks.common import machine_info
-from examples import stdlib_text, train_gpt
-from examples.train_gpt import TrainConfig, steps_to_reach
+from benchmarks.common import load_average, load_note, machine, ratio_table, time_steps
+from workload import stdlib_text
+from workload.config import TrainConfig
+from workload.train import make_model, make_optimizer, routing_of, steps_to_reach, train
+
+FAMILY = ("muon", "normuon", "adamuon", "adaptive")
+RATES = {"adamw": [2e-3, 3e-3, 6e-3, 1e-2], "muon": [0.01, 0.02, 0.04, 0.08],
+         "normuon": [0.01, 0.02, 0.04, 0.08], "adamuon": [2e-3, 4e-3, 8e-3, 1.6e-2],
+         "adaptive": [0.1, 0.2, 0.4, 0.8]}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -51,54 +61,97 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--eval-every", type=int, default=25)
   p.add_argument("--eval-batches", type=int, default=8)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 3e-3, 6e-3, 1e-2])
-  p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04, 0.08])
+  p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+  p.add_argument("--optimizers", nargs="+", default=["adamw", *FAMILY],
+                 choices=["adamw", *FAMILY])
+  for name, rates in RATES.items():
+    p.add_argument(f"--{name}-lrs", type=float, nargs="+", default=rates)
+  p.add_argument("--extend", type=int, default=3, help="most extensions of an edge sweep")
+  p.add_argument("--presets", nargs="*", default=["jordan", "polar_express"],
+                 help="Newton–Schulz presets to compare with turbo (none: skip)")
+  p.add_argument("--time-reps", type=int, default=30)
+  p.add_argument("--data-root", default="", help="a directory of .py files (default: stdlib)")
   p.add_argument("--out-dir", default="runs/convergence")
   return p.parse_args(argv)
 
 
-def sweep(base: TrainConfig, optimizer: str, lrs: list[float], data: tuple, **fixed: Any
-          ) -> list[dict[str, Any]]:
-  """One run per learning rate; `lrs` set `lr` for Muon, `adam_lr` for AdamW."""
-  records = []
-  for lr in lrs:
-    field = "lr" if optimizer == "muon" else "adam_lr"
-    cfg = dataclasses.replace(base, optimizer=optimizer, **{field: lr}, **fixed)
-    record = train_gpt.train(cfg, *data, progress=None, log=lambda line: None)
-    record["label"] = f"{optimizer} lr={lr:g}"
-    print(f"  {record['label']:<18} final val {record['final_val_loss']:.4f}  "
-          f"({record['time_s']:.0f}s)", flush=True)
-    records.append(record)
-  return records
+class Runner:
+  """Runs and remembers training runs by (optimizer, lr, seed, ns)."""
+
+  def __init__(self, base: TrainConfig, data: tuple):
+    self.base, self.data, self.records = base, data, {}
+
+  def __call__(self, optimizer: str, lr: float, seed: int, ns: str = "turbo",
+               adam_lr: Optional[float] = None) -> dict[str, Any]:
+    key = (optimizer, lr, seed, ns)
+    if key not in self.records:
+      cfg = dataclasses.replace(self.base, optimizer=optimizer, lr=lr, seed=seed, ns=ns,
+                                adam_lr=lr if optimizer == "adamw" else adam_lr)
+      record = train(cfg, *self.data, progress=None, log=lambda line: None)
+      record["label"] = f"{optimizer} lr={lr:g} seed={seed}" + (f" ns={ns}" if ns != "turbo" else "")
+      print(f"  {record['label']:<34} final val {record['final_val_loss']:.4f}  "
+            f"({record['time_s']:.0f}s)", flush=True)
+      self.records[key] = record
+    return self.records[key]
 
 
-def best(records: list[dict[str, Any]], lrs: list[float]) -> dict[str, Any]:
-  i = int(np.argmin([r["final_val_loss"] for r in records]))
-  if len(lrs) > 1 and i in (0, len(lrs) - 1):
-    print(f"  note: the best {records[i]['optimizer']} learning rate {lrs[i]:g} is at the "
-          "edge of the sweep; widen it to be sure of the optimum.")
-  return records[i]
+def sweep(run: Runner, optimizer: str, rates: list[float], extend: int, **kw) -> float:
+  """The best rate on seed 0, extending the sweep past an edge where the best lies."""
+  rates = sorted(rates)
+  while True:
+    losses = [run(optimizer, lr, 0, **kw)["final_val_loss"] for lr in rates]
+    i = int(np.argmin(losses))
+    if 0 < i < len(rates) - 1 or extend == 0:
+      if i in (0, len(rates) - 1):
+        print(f"  note: {optimizer}'s best rate {rates[i]:g} is still at the sweep's edge")
+      return rates[i]
+    rates = [rates[0] / 2] + rates if i == 0 else rates + [rates[-1] * 2]
+    extend -= 1
 
 
-def plot(adamw: list[dict], muon: list[dict], best_adamw: dict, best_muon: dict,
-         target: float, path: pathlib.Path, title: str) -> None:
-  """Validation curves of every run (best of each arm bold), AdamW's best as a line."""
+def at_best(run: Runner, optimizer: str, lr: float, seeds: list[int], **kw) -> list[dict]:
+  return [run(optimizer, lr, seed, **kw) for seed in seeds]
+
+
+def summary_row(name: str, lr: float, runs: list[dict], target: float, steps: int) -> dict:
+  finals = [r["final_val_loss"] for r in runs]
+  reach = [steps_to_reach(r["val_loss"], target) for r in runs]
+  return {"optimizer": name, "lr": lr, "final_val_loss": finals,
+          "mean": float(np.mean(finals)), "spread": float(max(finals) - min(finals)),
+          "steps_to_adamw_best": reach,
+          "reach_fraction": None if None in reach else float(np.mean(reach)) / steps}
+
+
+def step_times(base: TrainConfig, best: dict[str, float], adam_lr: float, reps: int) -> dict:
+  """Seconds per optimizer step (update + apply, jitted) of each optimizer on the model."""
+  model = make_model(base)
+  routing = routing_of(model, base)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  grads = treedef.unflatten([0.01 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+  arms = {name: make_optimizer(dataclasses.replace(base, optimizer=name, lr=lr,
+                                                   adam_lr=adam_lr if name != "adamw" else lr),
+                               routing) for name, lr in best.items()}
+  times, _ = time_steps(arms, params, grads, warmup=2, steps=reps)
+  return times
+
+
+def plot(rows: list[dict], run: Runner, target: float, path: pathlib.Path, title: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(8, 5))
-  for records, color in ((adamw, "C0"), (muon, "C1")):
-    for r in records:
-      steps, val = zip(*r["val_loss"])
-      is_best = r is best_adamw or r is best_muon
-      ax.plot(steps, val, "o-" if is_best else "--", color=color, ms=3,
-              lw=2 if is_best else 0.8, alpha=1 if is_best else 0.5, label=r["label"])
-  ax.axhline(target, color="gray", lw=0.8, ls=":", label="best AdamW final val")
-  ax.set(xlabel="step", ylabel="validation cross-entropy (nats/byte)", title=title)
-  lo = min(min(v for _, v in r["val_loss"]) for r in adamw + muon)
-  ax.set_ylim(lo - 0.05, lo + 1.0)
+  for i, row in enumerate(rows):
+    r = run(row["optimizer"], row["lr"], 0, **row.get("run_kw", {}))
+    steps, val = zip(*r["val_loss"])
+    ax.plot(steps, val, "o-", color=f"C{i}", ms=3, label=f"{row['label']} lr {row['lr']:g}")
+  ax.axhline(target, color="gray", lw=0.8, ls=":", label="AdamW's mean final val")
+  lo = min(min(v for _, v in run(r["optimizer"], r["lr"], 0, **r.get("run_kw", {}))["val_loss"])
+           for r in rows)
+  ax.set(xlabel="step", ylabel="validation cross-entropy (nats/byte)", title=title,
+         ylim=(lo - 0.05, lo + 1.0))
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
@@ -106,78 +159,73 @@ def plot(adamw: list[dict], muon: list[dict], best_adamw: dict, best_muon: dict,
   plt.close(fig)
 
 
+def table(rows: list[dict], steps: int) -> str:
+  out = ["| optimizer | lr | final val (mean over seeds) | seed spread | per seed | "
+         "steps to AdamW's final | ", "|---|--:|--:|--:|---|--:|"]
+  for row in rows:
+    reach = ("—" if row["reach_fraction"] is None else
+             f"{row['reach_fraction']:.2f} ({', '.join(f'{s:.0f}' for s in row['steps_to_adamw_best'])})")
+    out.append(f"| {row['label']} | {row['lr']:g} | {row['mean']:.4f} | {row['spread']:.4f} | "
+               f"{', '.join(f'{v:.4f}' for v in row['final_val_loss'])} | {reach} |")
+  return "\n".join(out)
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   args = parse_args(argv)
   t0 = time.perf_counter()
   base = TrainConfig(steps=args.steps, d_model=args.d_model, layers=args.layers,
                      heads=args.heads, seq_len=args.seq_len, batch=args.batch,
-                     eval_every=args.eval_every, eval_batches=args.eval_batches,
-                     seed=args.seed)
-  train_split, val_split = stdlib_text.load_splits()
-  data = (train_split.data, val_split.data)
-  m = machine_info()
-  print(f"machine: {m['platform']}, {m['processor']}, {m['cpu_count']} CPUs, "
-        f"load average {os.getloadavg()[0]:.1f}; python {m['python']}, jax {m['jax']} "
-        f"({m['backend']}, {len(m['devices'])} device(s))")
+                     eval_every=args.eval_every, eval_batches=args.eval_batches)
+  train_split, val_split = stdlib_text.load_splits(args.data_root or None)
+  run = Runner(base, (train_split.data, val_split.data))
+  print(f"machine: {machine()}")
   print(f"model: GPT {args.layers} layers × d_model {args.d_model}, {args.heads} heads, "
-        f"seq_len {args.seq_len}, batch {args.batch}, {args.steps} steps, seed {args.seed}; "
-        f"val every {args.eval_every} steps on {args.eval_batches}×{args.batch} fixed windows")
+        f"seq_len {args.seq_len}, batch {args.batch}, {args.steps} steps; seeds {args.seeds}; "
+        f"val every {args.eval_every} steps on {args.eval_batches}×{args.batch} windows")
+  rates = lambda name: getattr(args, f"{name}_lrs")
+  print("sweeps (seed 0):")
+  adam_lr = sweep(run, "adamw", rates("adamw"), args.extend)
+  best = {"adamw": adam_lr}
+  for name in (n for n in args.optimizers if n != "adamw"):
+    best[name] = sweep(run, name, rates(name), args.extend, adam_lr=adam_lr)
+  print("best rates on every seed:")
+  adamw_runs = at_best(run, "adamw", adam_lr, args.seeds)
+  target = float(np.mean([r["final_val_loss"] for r in adamw_runs]))
+  rows = []
+  for name, lr in best.items():
+    kw = {} if name == "adamw" else {"adam_lr": adam_lr}
+    row = summary_row(name, lr, at_best(run, name, lr, args.seeds, **kw), target, args.steps)
+    rows.append({**row, "label": name, "run_kw": kw})
+  if args.presets and "muon" in best:
+    print("Newton–Schulz presets (Muon at its best rate):")
+    for ns in args.presets:
+      kw = {"adam_lr": adam_lr, "ns": ns}
+      row = summary_row("muon", best["muon"], at_best(run, "muon", best["muon"], args.seeds, **kw),
+                        target, args.steps)
+      rows.append({**row, "label": f"muon ns={ns}", "run_kw": kw})
 
-  print("AdamW sweep:")
-  adamw = sweep(base, "adamw", args.adamw_lrs, data)
-  best_adamw = best(adamw, args.adamw_lrs)
-  aux_lr = best_adamw["config"]["adam_lr"]
-  print(f"Muon sweep (aux AdamW lr {aux_lr:g}):")
-  muon = sweep(base, "muon", args.muon_lrs, data, adam_lr=aux_lr)
-  best_muon = best(muon, args.muon_lrs)
+  print("optimizer step times:")
+  before = load_average()
+  times = step_times(base, best, adam_lr, args.time_reps)
+  after = load_average()
 
-  target = best_adamw["final_val_loss"]
-  reach = steps_to_reach(best_muon["val_loss"], target)
-  ns_pct = 100 * best_muon["ns_flops_per_step"] / best_muon["train_flops_per_step"]
-  tokens_per_step = args.batch * args.seq_len
-  summary = {
-      "best_adamw": {"lr": aux_lr, "final_val_loss": target},
-      "best_muon": {"lr": best_muon["config"]["lr"], "adam_lr": aux_lr,
-                    "final_val_loss": best_muon["final_val_loss"]},
-      "muon_steps_to_adamw_best": reach,
-      "step_ratio": None if reach is None else reach / args.steps,
-      "ns_flops_per_step": best_muon["ns_flops_per_step"],
-      "train_flops_per_step": best_muon["train_flops_per_step"],
-      "ns_flops_percent": ns_pct,
-      "params": best_muon["params"],
-      "machine": m,
-      "load_average_1min_at_end": os.getloadavg()[0],
-      "total_time_s": time.perf_counter() - t0,
-  }
-
-  print()
-  print(train_gpt.summary_table(adamw + muon))
-  print()
-  print(f"best AdamW: lr {aux_lr:g}, final val loss {target:.4f}")
-  print(f"best Muon:  lr {best_muon['config']['lr']:g} (aux AdamW lr {aux_lr:g}), "
-        f"final val loss {best_muon['final_val_loss']:.4f}")
-  if reach is None:
-    print(f"Muon never reached AdamW's best final val loss {target:.4f} within "
-          f"{args.steps} steps (ratio > 1).")
-  else:
-    print(f"Muon reaches AdamW's best final val loss at step {reach:.0f} of {args.steps}: "
-          f"ratio {reach / args.steps:.2f} (read off the full-length Muon run's curve)")
-  print(f"Newton–Schulz (standard-iteration count; Gram-space groups cost less): "
-        f"{best_muon['ns_flops_per_step']:,} flops/step = {ns_pct:.2f}% of "
-        f"training flops 6·N·tokens = 6·{best_muon['params']:,}·{tokens_per_step:,} "
-        f"(NS cost does not grow with tokens: it would be 1% at "
-        f"{best_muon['ns_flops_per_step'] / (0.06 * best_muon['params']):,.0f} tokens/step)")
-  mean_tps = lambda rs: np.mean([r["tokens_per_s"] for r in rs])
-  print(f"throughput on this machine: AdamW {mean_tps(adamw):,.0f} tokens/s, Muon "
-        f"{mean_tps(muon):,.0f} tokens/s (mean over the sweep, shared CPU: indicative only)")
-
+  print(f"\nfinal validation loss at each optimizer's best rate (chosen on seed 0), "
+        f"seeds {args.seeds}; target = AdamW's mean final val {target:.4f}\n")
+  print(table(rows, args.steps))
+  reference = "muon" if "muon" in times else next(iter(times))
+  print(f"\noptimizer step (update + apply, jitted), {args.time_reps} interleaved calls; "
+        f"{load_note(before, after)}\n")
+  print(ratio_table(times, reference))
   out = pathlib.Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  plot(adamw, muon, best_adamw, best_muon, target, out / "convergence.png",
-       f"GPT {args.layers}×{args.d_model} on stdlib bytes: Muon vs AdamW, {args.steps} steps")
-  (out / "convergence.json").write_text(json.dumps({"summary": summary, "runs": adamw + muon},
-                                                   indent=1))
-  print(f"total {summary['total_time_s']:.0f}s; wrote {out / 'convergence.png'} and "
+  summary = {"best_rates": best, "target": target, "rows": rows,
+             "step_times_s": times, "load_average": [before, after], "machine": machine(),
+             "args": vars(args), "total_time_s": time.perf_counter() - t0}
+  (out / "convergence.json").write_text(json.dumps(
+      {"summary": summary, "runs": list(run.records.values())}, indent=1, default=str))
+  plot([r for r in rows if "ns=" not in r["label"]], run, target, out / "convergence.png",
+       f"GPT {args.layers}×{args.d_model} on stdlib bytes, {args.steps} steps (seed 0)")
+  print(f"\ntotal {summary['total_time_s']:.0f}s; wrote {out / 'convergence.png'} and "
         f"{out / 'convergence.json'}")
   return summary
 

@@ -29,8 +29,8 @@ from flax import nnx
 
 import muon_optax as mo
 from benchmarks.common import commit, machine
-from examples.gpt import GPT, GPTConfig, loss_fn, num_params
-from examples.stdlib_text import batches, load_splits
+from workload.gpt import GPT, GPTConfig, loss_fn, num_params
+from workload.stdlib_text import batches, load_splits
 
 # Model shapes and batch sizes (batch, sequence length) of each preset.
 PRESETS = {
@@ -57,9 +57,9 @@ def make_optimizer(backend: str, offload_momentum: bool, steps: int) -> optax.Gr
   schedule = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, steps // 10, steps, 0.1 * peak)
   # AdamW decays the embeddings and the LM head, not norms and biases.
   decay = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
-  adam = mo.AuxAdam(schedule(3e-3), b1=0.9, b2=0.95, weight_decay=0.01, mask=decay)
-  return mo.muon(schedule(0.02), weight_decay=0.01, adam=adam, adam_backend=backend,
-                 offload_momentum=offload_momentum)
+  adam = mo.AuxAdam(schedule(3e-3), b1=0.9, b2=0.95, weight_decay=0.01, mask=decay,
+                    backend=backend)
+  return mo.muon(schedule(0.02), weight_decay=0.01, adam=adam, offload_momentum=offload_momentum)
 
 
 def train(cfg: GPTConfig, backend: str, offload_momentum: bool, data: list, seed: int) -> np.ndarray:

@@ -26,8 +26,8 @@ import optax
 from flax import nnx
 
 import muon_optax as mo
-from examples.gpt import GPT, GPTConfig
-from examples.stdlib_text import batches, eval_batches, load_splits
+from workload.gpt import GPT, GPTConfig
+from workload.stdlib_text import batches, eval_batches, load_splits
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -43,8 +43,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
 
-from examples import stdlib_text  # noqa: E402
-from examples.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+from workload import stdlib_text  # noqa: E402
+from workload.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
 
 def device_bytes(tree, device) -> int:

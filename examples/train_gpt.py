@@ -1,18 +1,19 @@
 """Train a small GPT on the bytes of the Python standard library's source code with Muon
 and with AdamW, same init, same data order, and compare.
 
-    python -m examples.train_gpt                    # Muon (+ AdamW for the rest) vs AdamW
-    python -m examples.train_gpt --optimizer muon   # one run: Muon for hidden matrices
-    python -m examples.train_gpt --optimizer adamw  # one run: the all-AdamW baseline
-    python -m examples.train_gpt --devices 4        # data parallel over 4 (simulated CPU) devices
-    python -m examples.train_gpt --describe         # print the routing table and exit
+    python -m examples.train_gpt                       # Muon (+ AdamW for the rest) vs AdamW
+    python -m examples.train_gpt --optimizer muon      # one run: Muon for hidden matrices
+    python -m examples.train_gpt --optimizer normuon   # or adamuon, adaptive, adamw
+    python -m examples.train_gpt --devices 4           # data parallel over 4 (simulated) devices
+    python -m examples.train_gpt --describe            # print the routing table and exit
     python -m examples.train_gpt --checkpoint-dir ckpt --resume  # continue after a stop
 
 Run from the repository root. The default configuration finishes in under 3 minutes on
-a 2-core CPU. AdamW's learning rate (--adam-lr, also Muon's aux AdamW) and Muon's
-(--lr) default to the best of the sweep in benchmarks/results/convergence.txt. It
+a 2-core CPU. Each optimizer's learning rate (--lr) and AdamW's (--adam-lr, also every
+aux AdamW's) default to the best of the sweep in benchmarks/results/convergence.txt. It
 writes `loss.png` (train and validation curves of every run) and `run.json` (config,
-curves, final numbers and machine of every run) to --out-dir.
+curves, final numbers and machine of every run) to --out-dir. The training loop is
+`workload/train.py`; the model `workload/gpt.py`; the data `workload/stdlib_text.py`.
 """
 
 from __future__ import annotations
@@ -24,41 +25,9 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-
-def _flag(default: Any, help: str) -> Any:
-  return dataclasses.field(default=default, metadata={"help": help})
-
-
-@dataclasses.dataclass
-class TrainConfig:
-  """Everything that defines one run; every field is a command-line flag."""
-
-  optimizer: str = _flag("muon", "muon (hidden matrices; AdamW for the rest) or adamw; "
-                         "default: both, one after the other")
-  steps: int = _flag(350, "training steps")
-  d_model: int = _flag(64, "model width")
-  layers: int = _flag(2, "transformer blocks")
-  heads: int = _flag(4, "attention heads")
-  seq_len: int = _flag(64, "context length in bytes")
-  batch: int = _flag(32, "sequences per step (split over --devices)")
-  lr: float = _flag(0.04, "Muon's peak learning rate")
-  adam_lr: float = _flag(6e-3, "AdamW's peak learning rate (Muon's aux branch, or everything)")
-  weight_decay: float = _flag(0.0, "decoupled weight decay of the hidden matrices")
-  warmup: float = _flag(0.05, "fraction of steps of linear warmup, then cosine decay to 10%%")
-  seed: int = _flag(0, "model init and data order")
-  eval_every: int = _flag(50, "steps between validation losses")
-  eval_batches: int = _flag(8, "fixed validation batches")
-  devices: int = _flag(1, "data-parallel devices (simulated on CPU)")
-  data_root: str = _flag("", "a directory of .py files (default: this Python's stdlib)")
-  tie_embeddings: bool = _flag(False, "use the token embedding as the output head")
-  out_dir: str = _flag("runs/train_gpt", "where loss.png and run.json go")
-  # Batch i is drawn from (seed, i) alone, so model, optimizer state and step are all a
-  # resume needs.
-  checkpoint_dir: str = _flag("", "save model and optimizer every --eval-every steps (Orbax), "
-                              "in a subdirectory per optimizer")
-  resume: bool = _flag(False, "continue from the latest checkpoint in --checkpoint-dir")
+from workload.config import NS_PRESETS, OPTIMIZERS, TrainConfig
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
@@ -70,7 +39,12 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
     flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
     kwargs = {"help": field.metadata["help"]}
     if field.name == "optimizer":
-      p.add_argument(flag, choices=("muon", "adamw"), default=None, **kwargs)
+      p.add_argument(flag, choices=OPTIMIZERS, default=None,
+                     help=kwargs["help"] + "; default: muon and adamw, one after the other")
+    elif field.name == "ns":
+      p.add_argument(flag, choices=NS_PRESETS, default=default, **kwargs)
+    elif field.name in ("lr", "adam_lr"):
+      p.add_argument(flag, type=float, default=None, **kwargs)
     elif isinstance(default, bool):
       p.add_argument(flag, action="store_true", **kwargs)
     else:
@@ -96,284 +70,25 @@ if __name__ == "__main__":
   _force_host_devices(sys.argv[1:])
 
 import jax  # noqa: E402  (after the XLA flags above)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
-from benchmarks.common import machine_info  # noqa: E402
-from examples import stdlib_text  # noqa: E402
-from examples.gpt import GPT, GPTConfig, loss_fn, num_params  # noqa: E402
+from workload import stdlib_text  # noqa: E402
+from workload.gpt import num_params  # noqa: E402
+from workload.train import (make_model, plot_runs, routing_of, steps_to_reach,  # noqa: E402
+                            summary_table, train)
 
 
-def lr_schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
-  """Linear warmup from 0 over `cfg.warmup` of the steps, then cosine decay to 10% of peak."""
-  warmup = max(1, int(cfg.warmup * cfg.steps))
-  return optax.warmup_cosine_decay_schedule(
-      0.0, peak, warmup, max(cfg.steps, warmup + 1), end_value=0.1 * peak)
-
-
-def make_model(cfg: TrainConfig) -> GPT:
-  return GPT(GPTConfig(seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers,
-                       heads=cfg.heads, tie_embeddings=cfg.tie_embeddings),
-             rngs=nnx.Rngs(cfg.seed))
-
-
-def routing_of(model: nnx.Module, cfg: TrainConfig) -> "mo.Routing":
-  """Which parameters Muon updates, read from the model's computation on a token batch."""
-  return mo.infer_routing(model, jnp.zeros((1, cfg.seq_len), jnp.int32))
-
-
-def make_optimizer(cfg: TrainConfig, routing: "mo.Routing",
-                   mesh: Optional[jax.sharding.Mesh] = None) -> optax.GradientTransformation:
-  """Muon (+ aux AdamW) or AdamW, both clipped and both on a warmup+cosine schedule.
-
-  With a mesh, Muon orthogonalizes whole matrices dealt over its devices.
-
-  Weight decay is applied to the hidden matrices only (those `routing` sends to Muon),
-  so both optimizers decay the same parameters.
-  """
-  hidden = lambda params: jax.tree.map(lambda l: l == "muon", routing.labels(params))
-  adam_lr = lr_schedule(cfg.adam_lr, cfg)
-  if cfg.optimizer == "muon":
-    tx = mo.muon(lr_schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay, mesh=mesh,
-                 routing=routing, adam=mo.AuxAdam(learning_rate=adam_lr, b1=0.9, b2=0.95))
-  elif cfg.optimizer == "adamw":
-    tx = optax.adamw(adam_lr, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=hidden)
-  else:
-    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use 'muon' or 'adamw'.")
-  return optax.chain(optax.clip_by_global_norm(1.0), tx)
-
-
-def data_mesh(devices: int) -> Optional[jax.sharding.Mesh]:
-  """A 1-D "data" mesh over the first `devices` devices, or None for one device."""
-  if devices <= 1:
-    return None
-  if jax.device_count() < devices:
-    raise ValueError(
-        f"--devices {devices} but jax sees {jax.device_count()} device(s). Run "
-        "`python -m examples.train_gpt` (it sets XLA_FLAGS=--xla_force_host_platform_"
-        "device_count=N before importing jax), or set that flag before jax is imported.")
-  # Auto axes: XLA propagates the batch sharding through the model. (On an Explicit
-  # mesh nnx.Embed's gather needs an out_sharding it does not yet take.)
-  return jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:devices])
-
-
-def place_data_parallel(mesh: Optional[jax.sharding.Mesh], model: nnx.Module,
-                        optimizer: nnx.Optimizer) -> Callable[[np.ndarray], jax.Array]:
-  """ZeRO-1 on `mesh`: replicates the model, splits the optimizer state along "data"
-  (`mo.state_shardings`), and returns the function that puts a host batch on the
-  devices split along "data"; XLA inserts the gradient all-reduce. Without a mesh,
-  batches simply go to the default device."""
-  if mesh is None:
-    return jnp.asarray
-  params = jax.device_put(nnx.state(model), NamedSharding(mesh, P()))
-  nnx.update(model, params)
-  params = nnx.as_pure(nnx.state(model, nnx.Param))
-  shardings = mo.state_shardings(optimizer.tx, params, mesh)
-  # A fresh state, made in place on the mesh; nnx.state maps it onto the optimizer's.
-  nnx.update(optimizer.opt_state,
-             nnx.state(jax.jit(optimizer.tx.init, out_shardings=shardings)(params)))
-  optimizer.step.set_value(jax.device_put(optimizer.step.get_value(), NamedSharding(mesh, P())))
-  return lambda batch: jax.device_put(batch, NamedSharding(mesh, P("data")))
-
-
-def _values(tree: Any) -> Any:
-  """nnx Variables -> their arrays: the plain pytrees a checkpoint holds."""
-  return jax.tree.map(lambda v: v.get_value(), tree,
-                      is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def checkpointed(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any]:
-  """(params, optimizer state) as the live nnx Variables that are saved and restored."""
-  return nnx.state(model, nnx.Param), {"step": optimizer.step, "opt_state": optimizer.opt_state}
-
-
-def restore_latest(ckpt: "mo.checkpoint.Checkpointer", model: nnx.Module,
-                   optimizer: nnx.Optimizer) -> int:
-  """Loads the latest checkpoint into model and optimizer; returns its step (0: none)."""
-  if ckpt.latest_step() is None:
-    return 0
-  variables = checkpointed(model, optimizer)
-  # The current arrays are the target: they give shapes, dtypes and shardings.
-  restored = ckpt.restore(params_target=_values(variables[0]),
-                          opt_state_target=_values(variables[1]))
-  jax.tree.map(lambda v, x: v.set_value(x), variables, (restored.params, restored.opt_state),
-               is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return restored.step
-
-
-def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
-          progress: Optional[bool] = True, log: Callable[[str], None] = print
-          ) -> dict[str, Any]:
-  """Trains one model; returns the run record (config, curves, final numbers, timings).
-
-  `progress`: show a progress bar (None: only when stderr is a terminal); `log`
-  receives one line per validation.
-  """
-  t_start = time.perf_counter()
-  mesh = data_mesh(cfg.devices)
-  if cfg.batch % cfg.devices:
-    raise ValueError(f"--batch {cfg.batch} must be a multiple of --devices {cfg.devices}.")
-  model = make_model(cfg)
-  routing = routing_of(model, cfg)
-  optimizer = nnx.Optimizer(model, make_optimizer(cfg, routing, mesh), wrt=nnx.Param)
-  shard = place_data_parallel(mesh, model, optimizer)
-
-  @nnx.jit
-  def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    optimizer.update(model, grads)
-    return loss
-
-  # cached_partial skips re-walking the model and optimizer graphs on every call, a
-  # large share of the step time for a model this small.
-  step_fn = nnx.cached_partial(train_step, model, optimizer)
-  eval_step = nnx.jit(loss_fn)
-  val_set = [shard(b) for b in stdlib_text.eval_batches(
-      val_data, cfg.batch, cfg.seq_len, cfg.eval_batches, seed=10_000 + cfg.seed)]
-  evaluate = lambda: float(np.mean([eval_step(model, b) for b in val_set]))
-  params = nnx.state(model, nnx.Param)
-  n_params = num_params(model)
-  tokens_per_step = cfg.batch * cfg.seq_len
-  show_lr = lr_schedule(cfg.lr if cfg.optimizer == "muon" else cfg.adam_lr, cfg)
-
-  ckpt_dir = pathlib.Path(cfg.checkpoint_dir) / cfg.optimizer if cfg.checkpoint_dir else None
-  ckpt = mo.checkpoint.Checkpointer(ckpt_dir, routing=routing) if ckpt_dir else None
-  if cfg.resume and ckpt is None:
-    raise ValueError("--resume needs --checkpoint-dir.")
-  start_step = restore_latest(ckpt, model, optimizer) if cfg.resume else 0
-  if start_step >= cfg.steps:
-    raise ValueError(f"the checkpoint is at step {start_step}; raise --steps to train further.")
-  if start_step:
-    log(f"{cfg.optimizer}: resumed from step {start_step} in {ckpt_dir}")
-  data = stdlib_text.batches(train_data, cfg.batch, cfg.seq_len, cfg.seed, start_step=start_step)
-  train_losses: list[float] = []
-  val_curve: list[tuple[int, float]] = []
-  pending: list[jax.Array] = []  # losses not yet fetched: fetching every step would sync
-  compile_s, t_loop, t_log, tokens_since, eval_s = None, None, None, 0, 0.0
-  bar = tqdm(range(start_step, cfg.steps), desc=cfg.optimizer, dynamic_ncols=True,
-             disable=None if progress is None else not progress, leave=progress is not None)
-  for step in bar:
-    t0 = time.perf_counter()
-    pending.append(step_fn(shard(next(data))))
-    if compile_s is None:
-      pending[-1].block_until_ready()
-      compile_s = time.perf_counter() - t0
-      t_loop = t_log = time.perf_counter()
-    else:
-      tokens_since += tokens_per_step
-    last = step + 1 == cfg.steps
-    evaluate_now = (step + 1) % cfg.eval_every == 0 or last
-    if (step + 1) % 10 == 0 or evaluate_now:
-      train_losses += [float(x) for x in pending]
-      pending.clear()
-      now = time.perf_counter()
-      tok_s = tokens_since / max(now - t_log, 1e-9)
-      t_log, tokens_since = now, 0
-      bar.set_postfix(loss=f"{train_losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}",
-                      lr=f"{float(show_lr(step)):.2e}")
-    if evaluate_now:
-      t_eval = time.perf_counter()
-      val_curve.append((step + 1, evaluate()))
-      if ckpt is not None:  # written in the background; counted with evaluation, not training
-        ckpt.save(step + 1, *map(_values, checkpointed(model, optimizer)),
-                  metadata={"val_loss": val_curve[-1][1]})
-      t_log = time.perf_counter()  # tokens/s counts training only
-      eval_s += t_log - t_eval
-      log(f"{cfg.optimizer:<5} step {step + 1:>6}  train {np.mean(train_losses[-10:]):.4f}  "
-          f"val {val_curve[-1][1]:.4f}")
-  bar.close()
-  if ckpt is not None:
-    ckpt.close()  # waits for the last save
-  t_end = time.perf_counter()
-  steady_steps = cfg.steps - start_step - 1
-  tail = train_losses[-min(20, len(train_losses)):]
-  return {
-      "optimizer": cfg.optimizer,
-      "config": dataclasses.asdict(cfg),
-      "params": n_params,
-      "ns_flops_per_step": mo.newton_schulz_cost(params, routing=routing) if cfg.optimizer == "muon" else 0,
-      "train_flops_per_step": 6 * n_params * tokens_per_step,
-      "steps": cfg.steps,
-      "start_step": start_step,
-      "tokens": cfg.steps * tokens_per_step,
-      "train_loss": train_losses,
-      "val_loss": val_curve,
-      "final_train_loss": float(np.mean(tail)),
-      "final_val_loss": val_curve[-1][1],
-      "best_val_loss": min(v for _, v in val_curve),
-      "time_s": t_end - t_start,
-      "compile_s": compile_s,
-      "eval_s": eval_s,
-      "tokens_per_s": steady_steps * tokens_per_step / max(t_end - t_loop - eval_s, 1e-9),
-      "machine": machine_info(),
-  }
-
-
-def plot_runs(records: list[dict[str, Any]], path: pathlib.Path, title: str = "") -> None:
-  """Train (thin, smoothed) and validation (markers) loss curves of one or more runs."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for i, r in enumerate(records):
-    color = f"C{i}"
-    label = r.get("label", r["optimizer"])
-    loss = np.asarray(r["train_loss"])
-    k = max(1, min(20, len(loss) // 10))
-    smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
-    ax.plot(np.arange(k, len(loss) + 1), smooth, color=color, lw=1, alpha=0.6,
-            label=f"{label} train")
-    steps, val = zip(*r["val_loss"])
-    ax.plot(steps, val, "o-", color=color, ms=3, label=f"{label} val")
-  ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title=title)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def summary_table(records: list[dict[str, Any]]) -> str:
-  """One row per run: optimizer, steps, tokens, final train/val loss, time."""
-  header = ("optimizer", "steps", "tokens", "train loss", "val loss", "time (s)")
-  rows = [(r.get("label", r["optimizer"]), str(r["steps"]), f"{r['tokens']:,}",
-           f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}", f"{r['time_s']:.1f}")
-          for r in records]
-  widths = [max(len(x[i]) for x in rows + [header]) for i in range(len(header))]
-  fmt = lambda row: "  ".join(c.rjust(w) if i else c.ljust(w)
-                              for i, (c, w) in enumerate(zip(row, widths)))
-  return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
-def steps_to_reach(val_curve: list[tuple[int, float]], target: float) -> Optional[float]:
-  """First step at which the validation curve reaches `target`, linearly interpolated
-  between evaluations (from step 0, where no curve is below target); None if never."""
-  prev_step, prev_loss = 0, float("inf")
-  for step, loss in val_curve:
-    if loss <= target:
-      if not np.isfinite(prev_loss):
-        return float(step)
-      return prev_step + (step - prev_step) * (prev_loss - target) / (prev_loss - loss)
-    prev_step, prev_loss = step, loss
-  return None
-
-
-def comparison(muon: dict[str, Any], adamw: dict[str, Any]) -> str:
-  """One line: final validation losses, and when Muon reached AdamW's final one."""
-  target = adamw["final_val_loss"]
-  reach = steps_to_reach(muon["val_loss"], target)
+def comparison(run: dict[str, Any], adamw: dict[str, Any]) -> str:
+  """One line: final validation losses, and when `run` reached AdamW's final one."""
+  target, name = adamw["final_val_loss"], run["optimizer"]
+  reach = steps_to_reach(run["val_loss"], target)
   when = (f"never reached AdamW's final val loss {target:.4f}" if reach is None else
           f"reached AdamW's final val loss {target:.4f} at step {reach:.0f} of "
-          f"{muon['steps']} ({reach / muon['steps']:.2f} of the steps)")
-  return (f"final val loss: Muon {muon['final_val_loss']:.4f}, AdamW {target:.4f}; "
-          f"Muon {when}")
+          f"{run['steps']} ({reach / run['steps']:.2f} of the steps)")
+  return (f"final val loss: {name} {run['final_val_loss']:.4f}, AdamW {target:.4f}; "
+          f"{name} {when}")
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -382,20 +97,23 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   t0 = time.perf_counter()
   cfg, args = parse_args(argv)
   optimizers = [args.optimizer] if args.optimizer else ["muon", "adamw"]
+  runs = [dataclasses.replace(cfg, optimizer=name) for name in optimizers]
   model = make_model(cfg)
-  if "muon" in optimizers or args.describe:
-    print(mo.describe(nnx.state(model, nnx.Param), routing=routing_of(model, cfg)))
+  if optimizers != ["adamw"] or args.describe:
+    print(mo.describe(nnx.state(model, nnx.Param), routing=routing_of(model, cfg),
+                      ns=cfg.ns))
   if args.describe:
     return {}
   train_split, val_split = stdlib_text.load_splits(cfg.data_root or None)
   print(f"data: {len(train_split.files)} train files ({len(train_split.data):,} bytes), "
         f"{len(val_split.files)} validation files ({len(val_split.data):,} bytes) from "
         f"{cfg.data_root or stdlib_text.stdlib_root()}")
-  print(f"model: {num_params(model):,} parameters; {' vs '.join(optimizers)} (Muon lr "
-        f"{cfg.lr:g}, AdamW lr {cfg.adam_lr:g}), same init and data order; "
+  rates = ", ".join(f"{r.optimizer} lr {r.peak_lr:g}" for r in runs)
+  print(f"model: {num_params(model):,} parameters; {' vs '.join(optimizers)} ({rates}, "
+        f"aux AdamW lr {cfg.peak_adam_lr:g}), same init and data order; "
         f"{jax.default_backend()} × {cfg.devices}")
-  records = [train(dataclasses.replace(cfg, optimizer=name), train_split.data, val_split.data,
-                   progress=not args.no_progress, log=tqdm.write) for name in optimizers]
+  records = [train(run, train_split.data, val_split.data, progress=not args.no_progress,
+                   log=tqdm.write) for run in runs]
   result = {"runs": records, "total_time_s": time.perf_counter() - t0}  # with data loading
   out = pathlib.Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -404,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             title=f"GPT {cfg.layers}×{cfg.d_model} on stdlib bytes: {' vs '.join(optimizers)}")
   print()
   print(summary_table(records))
-  if len(records) == 2:
+  if len(records) == 2 and records[1]["optimizer"] == "adamw":
     print("\n" + comparison(*records))
   for r in records:
     print(f"{r['optimizer']}: compile {r['compile_s']:.1f}s, {r['tokens_per_s']:,.0f} tokens/s")

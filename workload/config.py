@@ -1,0 +1,68 @@
+"""What defines one training run of the workload, with no jax import, so that a command
+line can be parsed (and XLA_FLAGS set from it) before jax is imported."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+# The optimizers a run can use: the Muon family (hidden matrices; AdamW for the rest) and
+# the all-AdamW baseline.
+OPTIMIZERS = ("muon", "normuon", "adamuon", "adaptive", "adamw")
+# Peak learning rates: the best of each optimizer's sweep on the default configuration
+# (benchmarks/results/convergence.txt). AdamW's is also every aux AdamW's.
+BEST_LR = {"muon": 0.04, "normuon": 0.04, "adamuon": 6e-3, "adaptive": 0.4, "adamw": 6e-3}
+NS_PRESETS = ("turbo", "jordan", "polar_express")
+
+
+def _flag(default: Any, help: str) -> Any:
+  return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Everything that defines one run; every field is a command-line flag."""
+
+  optimizer: str = _flag("muon", f"one of {OPTIMIZERS} (adaptive: muon(scale='adaptive'))")
+  steps: int = _flag(350, "training steps")
+  d_model: int = _flag(64, "model width")
+  layers: int = _flag(2, "transformer blocks")
+  heads: int = _flag(4, "attention heads")
+  seq_len: int = _flag(64, "context length in bytes")
+  batch: int = _flag(32, "sequences per step (split over --devices)")
+  lr: Optional[float] = _flag(None, "peak learning rate of the hidden matrices (default: "
+                              "the optimizer's best in benchmarks/results/convergence.txt)")
+  adam_lr: Optional[float] = _flag(None, "AdamW's peak learning rate (the aux branch, or "
+                                   f"everything; default {BEST_LR['adamw']})")
+  ns: str = _flag("turbo", f"Newton–Schulz preset, one of {NS_PRESETS}")
+  weight_decay: float = _flag(0.0, "decoupled weight decay of the hidden matrices")
+  warmup: float = _flag(0.05, "fraction of steps of linear warmup, then cosine decay to 10%%")
+  seed: int = _flag(0, "model init and data order")
+  eval_every: int = _flag(50, "steps between validation losses")
+  eval_batches: int = _flag(8, "fixed validation batches")
+  devices: int = _flag(1, "data-parallel devices (simulated on CPU)")
+  data_root: str = _flag("", "a directory of .py files (default: this Python's stdlib)")
+  tie_embeddings: bool = _flag(False, "use the token embedding as the output head")
+  out_dir: str = _flag("runs/train_gpt", "where loss.png and run.json go")
+  # Batch i is drawn from (seed, i) alone, so model, optimizer state and step are all a
+  # resume needs.
+  checkpoint_dir: str = _flag("", "save model and optimizer every --eval-every steps (Orbax), "
+                              "in a subdirectory per optimizer")
+  resume: bool = _flag(False, "continue from the latest checkpoint in --checkpoint-dir")
+
+  def __post_init__(self):
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {OPTIMIZERS}.")
+    if self.ns not in NS_PRESETS:
+      raise ValueError(f"unknown Newton–Schulz preset {self.ns!r}; use one of {NS_PRESETS}.")
+
+  @property
+  def peak_lr(self) -> float:
+    """The hidden matrices' peak learning rate (AdamW's for the all-AdamW run)."""
+    if self.optimizer == "adamw":
+      return self.peak_adam_lr
+    return BEST_LR[self.optimizer] if self.lr is None else self.lr
+
+  @property
+  def peak_adam_lr(self) -> float:
+    return BEST_LR["adamw"] if self.adam_lr is None else self.adam_lr
