@@ -48,7 +48,7 @@ def errors(tx_ours, tx_theirs, steps=5):
               "scale": float(np.max(np.abs(ref[k]))), "label": every_matrix(tree)[k]}
           for k in tree}
 
-nesterov_ours = mo.muon(0.02, labels=every_matrix, ns="jordan", ns_steps=5, gram=False,
+nesterov_ours = mo.muon(0.02, routing=every_matrix, ns=mo.NewtonSchulz("jordan", steps=5, gram=False),
                         adam=mo.AuxAdam(3e-3, nesterov=True))
 nesterov_theirs = optax.contrib.muon(0.02, adam_learning_rate=3e-3)
 print("RESULT " + json.dumps({"plain": errors(ours, theirs),
