@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 import optax
 

@@ -8,7 +8,6 @@ recompilation, each run on every transform a user can build from this library.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import logging
 from typing import Any, Callable
