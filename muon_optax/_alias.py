@@ -14,7 +14,7 @@ from jax.typing import ArrayLike
 
 from muon_optax import _offload, _paths, _routing, _tree_fit, _validate
 from muon_optax._adamw import AuxAdam
-from muon_optax._momentum import scale_by_muon_momentum
+from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._ns_settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._packed_gather import with_packed_gather
@@ -110,11 +110,19 @@ def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: Scal
     return _offload.commit_like(inner.init(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
-    if params is not None:  # before labelling, so a mismatch is named as one
-      _tree_fit.check_updates(updates, params)
+    # Before labelling, so that a mismatch is named as one: against the params, or the
+    # momentum, which mirrors them (with placeholders where other branches' leaves are).
+    _tree_fit.check_updates(updates, params if params is not None else _momentum_of(state))
     return inner.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _momentum_of(state: Any) -> Any:
+  """The momentum tree inside a family state (the params' structure)."""
+  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, MuonMomentumState))
+           if isinstance(x, MuonMomentumState)]
+  return found[0].mu
 
 
 def _branch_mask(mask: Mask) -> Mask:

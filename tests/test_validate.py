@@ -199,6 +199,11 @@ def test_gradients_that_do_not_fit_the_params_are_named():
   missing = {"embed": grads["embed"], "mlp": {"kernel": grads["mlp"]["kernel"]}}
   with pytest.raises(ValueError, match="the params have 'mlp/bias', which the gradients lack"):
     tx.update(missing, state, params)
+  # Without params, the momentum's tree is the reference.
+  with pytest.raises(ValueError, match=r"gradient of 'mlp/kernel' has shape \(8, 4\)"):
+    tx.update(transposed, state)
+  with pytest.raises(ValueError, match="gradients do not match the params tree"):
+    tx.update(jax.tree.leaves(grads), state)
 
 
 @pytest.mark.parametrize("shape", [(0, 8), (8, 0), (3, 0, 4)])

@@ -1,0 +1,44 @@
+"""The public surface stays small: one settings value per concept, short signatures, and
+the removed spellings gone."""
+
+import inspect
+
+import pytest
+
+import muon_optax as mo
+
+ALIASES = {"muon", "normuon", "adamuon"}
+
+
+def public_functions():
+  for name in mo.__all__:
+    obj = getattr(mo, name)
+    if inspect.isfunction(obj):
+      yield name, obj
+    elif inspect.isclass(obj):
+      yield from ((f"{name}.{m}", f) for m, f in vars(obj).items()
+                  if not m.startswith("_") and isinstance(f, (classmethod, staticmethod)))
+
+
+@pytest.mark.parametrize("name, fn", list(public_functions()), ids=lambda x: x
+                         if isinstance(x, str) else "")
+def test_signatures_are_short(name, fn):
+  fn = getattr(fn, "__func__", fn)
+  params = [p for p in inspect.signature(fn).parameters.values() if p.name != "cls"]
+  limit = 14 if name in ALIASES else 8
+  assert len(params) <= limit, (name, [p.name for p in params])
+
+
+@pytest.mark.parametrize("fn", [mo.muon, mo.normuon, mo.adamuon, mo.scale_by_muon,
+                                mo.orthogonalize, mo.describe, mo.newton_schulz_cost,
+                                mo.checkpoint.Checkpointer])
+def test_routing_and_newton_schulz_arrive_one_way(fn):
+  names = set(inspect.signature(fn).parameters)
+  assert not names & {"labels", "rules", "views", "per_head", "ns_steps", "gram",
+                      "precondition", "compute_dtype", "ns_fn", "adam_backend"}, names
+
+
+def test_the_family_shares_muons_arguments():
+  muon = list(inspect.signature(mo.muon).parameters)
+  for alias in (mo.normuon, mo.adamuon):
+    assert [p for p in inspect.signature(alias).parameters if p != "b2"] == muon
