@@ -76,6 +76,14 @@ def scale_by_muon(
                      *_scaled(orthogonal, scale, beta, nesterov, routing))
 
 
+def _gathered(direction: optax.GradientTransformation, mesh: Optional[Mesh]
+              ) -> optax.GradientTransformation:
+  """A direction whose last steps use sharded statistics (second moments, the dual
+  norm): under ZeRO-1 its updates reach the replicated params in one packed all-gather,
+  not one per leaf (Muon's own come back from the exchange already laid out)."""
+  return direction if mesh is None else with_packed_gather(direction)
+
+
 def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: ScalarOrSchedule,
                     weight_decay: ArrayLike, weight_decay_mask: Mask,
                     adam: Union[AuxAdam, optax.GradientTransformation, None],
@@ -216,6 +224,8 @@ def muon(
   """
   direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=scale, mu_dtype=mu_dtype,
                             routing=routing, mesh=mesh)
+  if scale == ADAPTIVE:
+    direction = _gathered(direction, mesh)
   return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
                          adam_learning_rate, offload_momentum, routing, mesh)
 
@@ -261,11 +271,11 @@ def normuon(
   References:
     Li et al. 2025, "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491.
   """
-  direction = optax.chain(
+  direction = _gathered(optax.chain(
       scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
       orthogonalize(ns, routing=routing, mesh=mesh),
       scale_by_second_moment("neurons", b2=b2, eps=1e-10, rescale="norm", routing=routing),
-      scale_by_shape(_family_scale(scale), routing=routing))
+      scale_by_shape(_family_scale(scale), routing=routing)), mesh)
   return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
                          adam_learning_rate, offload_momentum, routing, mesh)
 
@@ -305,10 +315,10 @@ def adamuon(
   References:
     Si, Zhang, Shen 2025, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005.
   """
-  direction = optax.chain(
+  direction = _gathered(optax.chain(
       scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
       orthogonalize(ns, routing=routing, mesh=mesh),
       scale_by_second_moment("elements", b2=b2, eps=1e-8, rescale="rms", routing=routing),
-      scale_by_shape(_family_scale(scale), routing=routing))
+      scale_by_shape(_family_scale(scale), routing=routing)), mesh)
   return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
                          adam_learning_rate, offload_momentum, routing, mesh)
