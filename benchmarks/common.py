@@ -1,6 +1,8 @@
-"""Helpers shared by the benchmarks: GPT-2-shaped parameter trees, a donating optimizer
-step, interleaved timing and its report (`machine` and `machine_info`, from
-`workload.machine`, name the machine beside every number).
+"""Helpers shared by the benchmarks: GPT-2-shaped parameter trees and the optimizers
+compared on them, Newton–Schulz references (optax.contrib's iteration, the exact polar
+factor), a donating optimizer step, interleaved timing and its report with the load on
+the machine (`machine` and `machine_info`, from `workload.machine`, name the machine
+beside every number).
 
 Import from the repository root: `from benchmarks import common`.
 """
@@ -9,14 +11,18 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
+from optax.contrib import _muon as _optax_muon
 
+import muon_optax as mo
 from workload.machine import machine, machine_info  # noqa: F401  (re-exported)
 
 # GPT-2 small: width, vocabulary, context, and the four hidden kernels of a block.
@@ -66,6 +72,130 @@ def gpt2_tree(layers: int = 12, key: Optional[jax.Array] = None, *, d: int = D,
       block["ln_1"], block["ln_2"] = norm(), norm()
     params[f"h_{i}"] = block
   return params
+
+
+def is_kernel(path: tuple) -> bool:
+  """Whether a tree path (as `tree_map_with_path` gives it) ends in a `kernel` leaf."""
+  return jax.tree_util.keystr(path).endswith("['kernel']")
+
+
+def kernels(params: Any) -> dict[str, Any]:
+  """The kernels of a tree, by '/'-joined path (without the final "kernel")."""
+  return {"/".join(str(getattr(k, "key", k)) for k in path[:-1]): x
+          for path, x in jax.tree_util.tree_leaves_with_path(params) if is_kernel(path)}
+
+
+def kernel_labels(params: Any) -> Any:
+  """"muon" for every kernel, "adam" for the rest: the routing every Muon arm is given,
+  so that all of them update exactly the same leaves."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "muon" if is_kernel(path) else "adam", params)
+
+
+def random_like(tree: Any, key: jax.Array, scale: float = 1.0) -> Any:
+  """Gaussian arrays (times `scale`) of the tree's shapes: stand-in gradients."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  return treedef.unflatten([scale * jax.random.normal(k, x.shape, x.dtype)
+                            for k, x in zip(keys, leaves)])
+
+
+def jordan_contrib_muon(params: Any, learning_rate: float, adam_learning_rate: float,
+                        **kwargs) -> optax.GradientTransformation:
+  """optax.contrib.muon with the jordan coefficients and 5 steps, routed as
+  `kernel_labels` (through `muon_weight_dimension_numbers`)."""
+  dims = jax.tree.map(lambda label: optax.contrib.MuonDimensionNumbers() if label == "muon"
+                      else None, kernel_labels(params))
+  return optax.contrib.muon(
+      learning_rate, ns_coeffs=tuple(mo.PRESETS["jordan"].table[0]), ns_steps=5, beta=0.95,
+      nesterov=True, adam_b1=0.9, adam_b2=0.999, adam_learning_rate=adam_learning_rate,
+      muon_weight_dimension_numbers=dims, **kwargs)
+
+
+# Newton–Schulz settings of the arms that match optax.contrib.muon's iteration.
+JORDAN5 = mo.NewtonSchulz("jordan", steps=5)
+JORDAN5_STANDARD = mo.NewtonSchulz("jordan", steps=5, gram=False)
+
+
+def optimizer_arms(params: Any, learning_rate: float = 0.02, adam_learning_rate: float = 3e-4,
+                   names: Optional[Sequence[str]] = None
+                   ) -> dict[str, optax.GradientTransformation]:
+  """The optimizers the step benchmarks compare, by name: muon_optax's `muon` (defaults;
+  jordan at 5 steps, with and without Gram-space) and the rest of its family,
+  optax.contrib.muon (jordan, 5 steps) and optax.adamw. Every Muon arm routes as
+  `kernel_labels`; every AdamW has b1 0.9, b2 0.999, eps 1e-8 and no decay
+  (optax.contrib.muon's is also Nesterov: it shares `nesterov` with its Muon). `names`
+  keeps those arms only, in that order."""
+  labels = kernel_labels(params)
+  adam = mo.AuxAdam(learning_rate=adam_learning_rate, b1=0.9, b2=0.999, eps=1e-8)
+
+  def muon(alias=mo.muon, **options):
+    return alias(learning_rate, adam=adam, routing=labels, **options)
+
+  make = {
+      "muon_optax.muon (defaults)": muon,
+      "muon_optax.muon jordan 5": lambda: muon(ns=JORDAN5),
+      "muon_optax.muon jordan 5 gram=False": lambda: muon(ns=JORDAN5_STANDARD),
+      "muon_optax.normuon": lambda: muon(mo.normuon),
+      "muon_optax.adamuon": lambda: muon(mo.adamuon),
+      "muon_optax.muon scale='adaptive'": lambda: muon(scale="adaptive"),
+      "optax.contrib.muon": lambda: jordan_contrib_muon(params, learning_rate,
+                                                        adam_learning_rate),
+      "optax.adamw": lambda: optax.adamw(adam_learning_rate, b1=0.9, b2=0.999, eps=1e-8,
+                                         weight_decay=0.0),
+  }
+  unknown = set(names or ()) - set(make)
+  if unknown:
+    raise ValueError(f"unknown arms {sorted(unknown)}; choose from {list(make)}")
+  return {name: make[name]() for name in (names or make)}
+
+
+def optax_orthogonalize(x: jax.Array, coeffs: Any, steps: int = 5) -> jax.Array:
+  """optax.contrib.muon's Newton–Schulz (private in optax 0.2.8) on x (..., m, n); a
+  leading batch axis is a stack of matrices."""
+  dims = None if x.ndim == 2 else optax.contrib.MuonDimensionNumbers(
+      reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
+  return _optax_muon.orthogonalize_via_newton_schulz(
+      x, jnp.asarray(coeffs), steps, dimension_numbers=dims)
+
+
+def parse_shapes(spec: str, scale: float = 1.0) -> list[tuple[int, ...]]:
+  """"768x768,12x768x768" -> [(768, 768), (12, 768, 768)]: leading numbers are a stack;
+  `scale` multiplies the matrix dimensions (not the stack)."""
+  shapes = []
+  for item in spec.split(","):
+    *batch, m, n = map(int, item.lower().split("x"))
+    shapes.append((*batch, *(max(1, int(round(k * scale))) for k in (m, n))))
+  return shapes
+
+
+def with_spectrum(shape: tuple[int, int], low: float, seed: int = 0) -> jax.Array:
+  """A float32 m×n matrix with singular values log-spaced from 1 down to `low`."""
+  rng = np.random.default_rng(seed)
+  m, n = shape
+  k = min(m, n)
+  u, _ = np.linalg.qr(rng.standard_normal((m, k)))
+  v, _ = np.linalg.qr(rng.standard_normal((n, k)))
+  return jnp.asarray((u * np.logspace(0, np.log10(low), k)) @ v.T, jnp.float32)
+
+
+def polar_factor(x: Any) -> np.ndarray:
+  """U Vᵀ of each matrix of x (..., m, n), from its float64 SVD U Σ Vᵀ."""
+  u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
+  return u @ vt
+
+
+def polar_error(out: Any, polar: np.ndarray) -> float:
+  """‖O − U Vᵀ‖_F / ‖U Vᵀ‖_F over the whole stack."""
+  o = np.asarray(out, np.float64).reshape(polar.shape)
+  return float(np.linalg.norm(o - polar) / np.linalg.norm(polar))
+
+
+def header(module: str, argv: Optional[Sequence[str]] = None) -> str:
+  """The command that reproduces a report (`argv` None: this process's arguments) and
+  the machine it ran on: the first two lines of every benchmark's output."""
+  args = sys.argv[1:] if argv is None else list(argv)
+  return f"# python -m {module} {' '.join(args)}".rstrip() + f"\nmachine: {machine()}"
 
 
 def num_params(tree: Any) -> int:
@@ -137,23 +267,86 @@ def load_average() -> float:
   return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
-def load_note(before: float, after: float, cores: int = os.cpu_count() or 1) -> str:
-  """The load average around a timed run, and whether the machine was busy: on a busy
-  machine, time ratios flatter whichever arm suffers less from contention."""
-  busy = max(before, after) >= 0.5 * cores
-  verdict = ("BUSY: other jobs ran, so ratios are indicative only" if busy else
+# Other processes using this share of all CPUs during a timed run make it "busy".
+BUSY_SHARE = 0.1
+# CPU times come in clock ticks (10 ms): shorter runs cannot be measured this way.
+MIN_WATCH_SECONDS = 1.0
+
+
+def _cpu_times() -> tuple[float, Optional[float], float, int]:
+  """(wall clock, busy CPU seconds of the whole machine or None, of this process, CPUs)."""
+  own = sum(os.times()[:2])
+  try:
+    with open("/proc/stat") as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return time.monotonic(), None, own, 0
+  # user nice system idle iowait irq softirq steal, in clock ticks (guest time is in user).
+  ticks = [int(v) for v in lines[0].split()[1:9]]
+  busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+  cpus = sum(line[:3] == "cpu" and line[3:4].isdigit() for line in lines)
+  return time.monotonic(), busy, own, cpus
+
+
+class LoadWatch:
+  """The load on the machine around a timed run: `with LoadWatch() as load: ...`, then
+  `load.note()`.
+
+  The 1-minute load average lags, and after a run it counts the run itself; so where
+  /proc/stat exists, the CPU time other processes used while the run ran, as a share
+  of all CPUs (`others`), says directly whether anything competed with the timed calls
+  (None for runs under `MIN_WATCH_SECONDS`).
+  """
+
+  before: float = 0.0
+  after: float = 0.0
+  others: Optional[float] = None
+
+  def __enter__(self) -> "LoadWatch":
+    self.before, self._start = load_average(), _cpu_times()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.after = load_average()
+    (t0, busy0, own0, _), (t1, busy1, own1, cpus) = self._start, _cpu_times()
+    if busy0 is not None and t1 - t0 >= MIN_WATCH_SECONDS and cpus:
+      others = ((busy1 - busy0) - (own1 - own0)) / ((t1 - t0) * cpus)
+      self.others = min(1.0, max(0.0, others))
+
+  def note(self) -> str:
+    return load_note(self.before, self.after, others=self.others)
+
+
+def load_note(before: float, after: float, cores: int = os.cpu_count() or 1,
+              others: Optional[float] = None) -> str:
+  """The load around a timed run and whether the machine was busy: on a busy machine,
+  time ratios flatter whichever arm suffers less from contention. `others`, the share
+  of all CPUs other processes used (`LoadWatch`), decides where known; otherwise a load
+  average of half the cores or more does."""
+  busy = others >= BUSY_SHARE if others is not None else max(before, after) >= 0.5 * cores
+  verdict = ("BUSY: other jobs ran, so times and ratios are indicative only" if busy else
              "the machine was otherwise idle")
-  return f"load average {before:.2f} before, {after:.2f} after ({verdict})"
+  used = "" if others is None else f"; other processes used {others:.0%} of the CPUs"
+  return f"load average {before:.2f} before, {after:.2f} after{used} ({verdict})"
+
+
+def min_median(times: Sequence[float]) -> tuple[float, float]:
+  """The best case and the typical one of repeated timings."""
+  return min(times), statistics.median(times)
 
 
 def ratio_table(times: dict[str, list[float]], reference: str, unit: float = 1e3,
-                unit_name: str = "ms") -> str:
-  """Min and median of each arm's times and their ratios to `reference`'s, one row an arm."""
-  ref_min, ref_med = min(times[reference]), statistics.median(times[reference])
-  rows = [f"| arm | min {unit_name} | median {unit_name} | min / {reference} | "
-          f"median / {reference} | N |", "|---|--:|--:|--:|--:|--:|"]
+                unit_name: str = "ms", extra: Optional[dict[str, dict[str, str]]] = None) -> str:
+  """Min and median of each arm's times and their ratios to `reference`'s, one row an arm;
+  `extra` adds columns, {header: {arm: text}}."""
+  extra = extra or {}
+  ref_min, ref_med = min_median(times[reference])
+  rows = ["| arm | min {0} | median {0} | min / {1} | median / {1} | N |".format(
+      unit_name, reference) + "".join(f" {h} |" for h in extra),
+          "|---|--:|--:|--:|--:|--:|" + "--:|" * len(extra)]
   for name, ts in times.items():
-    lo, med = min(ts), statistics.median(ts)
+    lo, med = min_median(ts)
     rows.append(f"| {name} | {lo * unit:.2f} | {med * unit:.2f} | {lo / ref_min:.2f}× | "
-                f"{med / ref_med:.2f}× | {len(ts)} |")
+                f"{med / ref_med:.2f}× | {len(ts)} |" +
+                "".join(f" {col.get(name, '')} |" for col in extra.values()))
   return "\n".join(rows)

@@ -2,6 +2,7 @@
 collectives, the bytes they move and optimizer-state bytes on a GPT-2-small-shaped tree.
 
     python -m benchmarks.distributed [--layers 12] [--devices 1 2 4 8] [--biases]
+    python -m benchmarks.distributed --layers 1 --d 64 --vocab 256 --devices 1 2  # smallest
 
 Everything here is read from compiled programs (XLA cost analysis, collectives in the
 HLO text) and array shards, not timed: the figures are deterministic. Collective
@@ -13,6 +14,7 @@ bytes / n) + (n−1)/n × (all update bytes). Both optimizers
 get the same routing (hidden matrices to Muon, the embedding to AdamW), the same
 params layout (ZeRO-1: replicated; FSDP: split along "data") and the state layout of
 `mo.state_shardings`. Meshes use Auto axes: optax.contrib.muon fails on Explicit ones.
+The tree is `common.gpt2_tree` without position embeddings (vocabulary padded to 50304).
 """
 
 from __future__ import annotations
@@ -20,35 +22,20 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import Optional, Sequence
 
 MAX_DEVICES = 8
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={MAX_DEVICES}")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import gpt2_tree, header  # noqa: E402
 from benchmarks.hlo import collective_stats  # noqa: E402
-
-
-def gpt2_small_tree(layers: int, d: int = 768, vocab: int = 50304, biases: bool = False) -> dict:
-  """Kernels and the embedding; with `biases`, GPT-2's biases and LayerNorms too."""
-  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  blocks = {str(i): {"attn": {"qkv": {"kernel": s(d, 3 * d)}, "proj": {"kernel": s(d, d)}},
-                     "mlp": {"fc": {"kernel": s(d, 4 * d)}, "fc_proj": {"kernel": s(4 * d, d)}}}
-            for i in range(layers)}
-  for block in blocks.values() if biases else ():
-    for (module, layer), width in zip(sorted((m, l) for m in block for l in block[m]),
-                                      (d, 3 * d, 4 * d, d)):  # attn/proj, attn/qkv, mlp/fc, mlp/fc_proj
-      block[module][layer]["bias"] = s(width)
-    block["ln1"] = {"scale": s(d), "bias": s(d)}
-    block["ln2"] = {"scale": s(d), "bias": s(d)}
-  return {"embed": {"embedding": s(vocab, d)}, "blocks": blocks}
 
 
 def contrib_dimension_numbers(params):
@@ -90,19 +77,30 @@ def measure(tx, params, mesh):
           "state_bytes": state_bytes}
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__)
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--layers", type=int, default=12)
-  p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
+  p.add_argument("--d", type=int, default=768, help="width")
+  p.add_argument("--vocab", type=int, default=50304)
+  p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8],
+                 help=f"mesh sizes, at most {MAX_DEVICES}")
   p.add_argument("--biases", action="store_true", help="add GPT-2's biases and LayerNorms")
-  args = p.parse_args()
-  params = gpt2_small_tree(args.layers, biases=args.biases)
-  print(f"GPT-2-small-shaped tree, {args.layers} layers{', with biases and LayerNorms' * args.biases}, "
-        f"{MAX_DEVICES} simulated CPU devices; {machine()}")
-  header = (f"{'layout':<6} {'dev':>3} {'optimizer':<18} {'GFLOP/device':>12} {'vs 1/n':>7} "
-            f"{'collectives':>11} {'coll. MB':>9} {'minimal MB':>10} {'× min':>6} "
-            f"{'state MB/device':>15}")
-  print(header + "\n" + "-" * len(header))
+  return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  args = parser().parse_args(argv)
+  if max(args.devices) > len(jax.devices()):
+    parser().error(f"--devices {max(args.devices)}: jax sees {len(jax.devices())} devices")
+  params = gpt2_tree(args.layers, d=args.d, vocab=args.vocab, ctx=0, small_leaves=args.biases)
+  print(header("benchmarks.distributed", argv))
+  print(f"GPT-2-small-shaped tree, {args.layers} layers, width {args.d}, vocabulary "
+        f"{args.vocab}{', with biases and LayerNorms' * args.biases}; {len(jax.devices())} "
+        "simulated CPU devices")
+  columns = (f"{'layout':<6} {'dev':>3} {'optimizer':<18} {'GFLOP/device':>12} {'vs 1/n':>7} "
+             f"{'collectives':>11} {'coll. MB':>9} {'minimal MB':>10} {'× min':>6} "
+             f"{'state MB/device':>15}")
+  print(columns + "\n" + "-" * len(columns))
   single = {}
   for kind in ("zero1", "fsdp"):
     for n in args.devices:
@@ -121,7 +119,8 @@ def main():
         ideal = single.get(name, r["flops"] * n) / n
         print(f"{kind:<6} {n:>3} {name:<18} {r['flops'] / 1e9:>12.1f} {r['flops'] / ideal:>7.3f} "
               f"{r['collectives']:>11} {r['collective_bytes'] / 1e6:>9.1f} {least / 1e6:>10.1f} "
-              f"{r['collective_bytes'] / least if least else 0:>6.2f} {r['state_bytes'] / 1e6:>15.1f}")
+              f"{r['collective_bytes'] / least if least else 0:>6.2f} "
+              f"{r['state_bytes'] / 1e6:>15.1f}")
         if n == max(args.devices) and name.startswith("muon_optax"):
           print(f"{'':<10} {name} collectives: {r['detail']}")
   print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")

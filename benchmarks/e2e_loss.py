@@ -13,6 +13,8 @@ reference) as a PNG.
     python -m benchmarks.e2e_loss                   # 0.87M params, ~5 minutes on 2 CPU cores
     python -m benchmarks.e2e_loss --preset 124m     # GPT-2 small's shape, 124M params
     python -m benchmarks.e2e_loss --preset 400m     # 1024 wide, 7 layers, 152k vocab: 400M
+    python -m benchmarks.e2e_loss --preset tiny --steps 3 --data-root DIR --out PATH
+                                                    # smallest: every arm trains
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import time
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +31,13 @@ import optax
 from flax import nnx
 
 import muon_optax as mo
-from benchmarks.common import commit, machine
+from benchmarks.common import commit, header
 from workload.gpt import GPT, GPTConfig, loss_fn, num_params
 from workload.stdlib_text import batches, load_splits
 
 # Model shapes and batch sizes (batch, sequence length) of each preset.
 PRESETS = {
+    "tiny": (GPTConfig(vocab_size=256, seq_len=16, d_model=32, layers=1, heads=2), 4),
     "small": (GPTConfig(vocab_size=256, seq_len=64, d_model=128, layers=4, heads=4), 16),
     # GPT-2 small's shape: 768 wide, 12 layers, 50k vocabulary tied with the LM head.
     "124m": (GPTConfig(vocab_size=50_257, seq_len=256, d_model=768, layers=12, heads=12,
@@ -104,24 +108,30 @@ def plot(curves: dict, path: pathlib.Path, title: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
   ap.add_argument("--steps", type=int, default=100)
   ap.add_argument("--batch", type=int, help="override the preset's batch size")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--data-root", default=None,
+                  help="a directory of .py files (default: this Python's standard library)")
   ap.add_argument("--out", default="runs/e2e_loss/loss_curves.png")
-  args = ap.parse_args()
+  return ap
 
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[tuple, np.ndarray]:
+  """Runs the benchmark; returns the losses of each arm."""
+  args = parser().parse_args(argv)
   cfg, batch = PRESETS[args.preset]
   batch = args.batch or batch
-  train_split, _ = load_splits(max_bytes=4_000_000)
+  train_split, _ = load_splits(args.data_root, max_bytes=4_000_000)
   it = batches(train_split.data, batch, cfg.seq_len, args.seed)
   data = [jnp.asarray(next(it)) for _ in range(args.steps)]
   n = num_params(GPT(cfg, rngs=nnx.Rngs(args.seed)))
   title = (f"{args.preset}: {n:,} params ({cfg.d_model} wide, {cfg.layers} layers, vocab "
            f"{cfg.vocab_size:,}), batch {batch}×{cfg.seq_len}, {args.steps} steps")
-  print(f"machine: {machine()}\n{title}\n")
+  print(f"{header('benchmarks.e2e_loss', argv)}\n{title}\n")
 
   curves = {}
   for config, backend, offload_momentum in ARMS:
@@ -138,6 +148,7 @@ def main() -> None:
           f"{np.max(np.abs(losses - ref)):21.2e} |")
   plot(curves, pathlib.Path(args.out), title)
   print(f"\nloss curves: {args.out}")
+  return curves
 
 
 if __name__ == "__main__":

@@ -1,8 +1,19 @@
-"""Deterministic figures from compiled XLA programs: collectives and the bytes they move."""
+"""Deterministic figures from compiled XLA programs: collectives and the bytes they move.
+
+`collective_stats(compiled.as_text())` is what `benchmarks/distributed.py` reports. As a
+command it reads programs saved as text (`compiled.as_text()` written to a file, or the
+`*after_optimizations.txt` files of `XLA_FLAGS=--xla_dump_to=DIR`) and prints one row
+per file:
+
+    python -m benchmarks.hlo PROGRAM.txt [PROGRAM.txt ...]
+"""
 
 from __future__ import annotations
 
+import argparse
+import pathlib
 import re
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -68,3 +79,26 @@ def collective_stats(hlo_text: str) -> dict[str, tuple[int, int]]:
     stats[op][0] += 1
     stats[op][1] += _moved(op, size, _group_size(line, partitions), line)
   return {op: (n, int(round(b))) for op, (n, b) in stats.items()}
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("programs", nargs="+", type=pathlib.Path, help="HLO text files")
+  return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[str, tuple[int, int]]]:
+  """Prints count and bytes of each collective per program; returns them by file name."""
+  args = parser().parse_args(argv)
+  print("| program | " + " | ".join(f"{op} (count, bytes)" for op in COLLECTIVES) + " |")
+  print("|---|" + "--:|" * len(COLLECTIVES))
+  stats = {}
+  for path in args.programs:
+    stats[str(path)] = collective_stats(path.read_text())
+    print(f"| {path} | " + " | ".join(f"{n}, {b:,}" for n, b in
+                                      stats[str(path)].values()) + " |")
+  return stats
+
+
+if __name__ == "__main__":
+  main()

@@ -1,15 +1,18 @@
 """MuonClip on a small byte-level GPT: attention logits explode at a high Muon learning rate,
 and QK-clip (Kimi K2, arXiv 2507.20534) caps them at τ.
 
-Trains the example GPT (`examples/gpt.py` with `attention="clip"`) twice on the bytes of the Python standard library's `.py` files, with
-the same seed and batches: once with `mo.muon`, once with `optax.chain(mo.muon(...),
-mo.qk_clip(tau))`. Each `mo.nnx.ClipAttention` sows its per-head max pre-softmax logit S_h; the
-step passes those to the optimizer. S_h is measured in the forward pass, before the
-update, so the clipped curve sits at τ plus at most one step's growth. Writes max-logit
-and loss curves to <out-dir>/qk_clip.png and prints both final losses.
+Trains the workload's GPT (`workload/gpt.py` with `attention="clip"`) twice on the bytes
+of the Python standard library's `.py` files, with the same seed and batches: once with
+`mo.muon`, once with `optax.chain(mo.muon(...), mo.qk_clip(tau))`. Each
+`mo.nnx.ClipAttention` sows its per-head max pre-softmax logit S_h; the step passes those
+to the optimizer. S_h is measured in the forward pass, before the update, so the clipped
+curve sits at τ plus at most one step's growth. Writes max-logit and loss curves to
+<out-dir>/qk_clip.png and prints both final losses.
 
     python -m examples.qk_clip                 # ~2 min on 2 CPU cores
     python -m examples.qk_clip --steps 600 --lr 0.08 --tau 50
+    python -m examples.qk_clip --steps 2 --batch 2 --seq-len 16 --d-model 16 --heads 2 \
+        --layers 1 --data-root DIR --out-dir DIR   # smallest: both runs train
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import time
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +74,9 @@ def train(args, tx, train_data, val_batches, label):
   return np.array(losses), np.array(max_logits), val
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--steps", type=int, default=300)
   p.add_argument("--lr", type=float, default=0.1, help="Muon learning rate (high on purpose)")
   p.add_argument("--adam-lr", type=float, default=3e-3)
@@ -82,10 +87,16 @@ def main():
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--data-root", default=None,
+                 help="a directory of .py files (default: this Python's standard library)")
   p.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("runs/qk_clip"))
-  args = p.parse_args()
+  return p
 
-  train_split, val_split = load_splits(max_bytes=4_000_000)
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple]:
+  """Runs both trainings; returns (train losses, max logits, val loss) of each."""
+  args = parser().parse_args(argv)
+  train_split, val_split = load_splits(args.data_root, max_bytes=4_000_000)
   val_batches = eval_batches(val_split.data, args.batch, args.seq_len, count=8)
   muon = lambda: mo.muon(args.lr, adam=mo.AuxAdam(learning_rate=args.adam_lr))
   print(f"Muon lr {args.lr}, τ = {args.tau}, {args.steps} steps on {jax.devices()[0].platform}")
@@ -115,6 +126,7 @@ def main():
     print(f"{name:9}  {max_logits.max():16.1f}  {max_logits[-1]:15.1f}  "
           f"{losses[-20:].mean():16.3f}  {val:8.3f}")
   print(f"\nwrote {args.out_dir / 'qk_clip.png'}")
+  return runs
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Train the example GPT on a simulated 8-device mesh, with ZeRO-1 and with FSDP.
 
     python -m examples.sharded_training [--devices 8] [--steps 30]
+    python -m examples.sharded_training --devices 2 --steps 2 --batch 4 --seq-len 16 \
+        --d-model 32 --layers 1 --heads 2 --data-root DIR   # smallest: both layouts train
 
 ZeRO-1: params replicated, optimizer state split along the "data" axis. FSDP: params
 (and so gradients and state) split along "data" too. In both, Muon orthogonalizes whole
@@ -11,12 +13,15 @@ along "data". Prints the per-device bytes of params and optimizer state, and the
 from __future__ import annotations
 
 import argparse
-import os
 import time
+from typing import Optional, Sequence
+
+from workload.config import simulate_devices
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--batch", type=int, default=16)
@@ -26,16 +31,15 @@ def parse_args(argv=None):
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--lr", type=float, default=0.02)
   p.add_argument("--adam-lr", type=float, default=3e-3)
-  return p.parse_args(argv)
+  p.add_argument("--data-root", default=None,
+                 help="a directory of .py files (default: this Python's standard library)")
+  return p
 
 
-ARGS = parse_args()
-# Before jax is imported: one CPU process pretends to have N devices.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={ARGS.devices}")
+if __name__ == "__main__":
+  simulate_devices(parser().parse_args().devices)
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -52,14 +56,14 @@ def device_bytes(tree, device) -> int:
              if s.device == device)
 
 
-def train(layout: str, mesh, data) -> dict:
-  cfg = GPTConfig(seq_len=ARGS.seq_len, d_model=ARGS.d_model, layers=ARGS.layers, heads=ARGS.heads)
+def train(args, layout: str, mesh, data) -> dict:
+  cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads)
   graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
   param_sharding = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
                     if layout == "zero1" else mo.fsdp_shardings(params, mesh))
   params = jax.device_put(params, param_sharding)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   mo.muon(ARGS.lr, mesh=mesh, adam=mo.AuxAdam(ARGS.adam_lr, b2=0.95)))
+                   mo.muon(args.lr, mesh=mesh, adam=mo.AuxAdam(args.adam_lr, b2=0.95)))
   state_sharding = mo.state_shardings(tx, params, mesh)
   opt_state = jax.jit(tx.init, out_shardings=state_sharding)(params)
   batch_sharding = NamedSharding(mesh, P("data"))
@@ -71,7 +75,7 @@ def train(layout: str, mesh, data) -> dict:
 
   step = jax.jit(step, out_shardings=(param_sharding, state_sharding, None))
   losses, t0 = [], time.perf_counter()
-  for _ in range(ARGS.steps):
+  for _ in range(args.steps):
     params, opt_state, loss = step(params, opt_state, jax.device_put(next(data), batch_sharding))
     losses.append(float(loss))
   first = jax.devices()[0]
@@ -81,21 +85,28 @@ def train(layout: str, mesh, data) -> dict:
           "seconds": time.perf_counter() - t0}
 
 
-def main():
-  mesh = jax.make_mesh((ARGS.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  train_split, _ = stdlib_text.load_splits(max_bytes=20_000_000)
-  print(f"{ARGS.devices} simulated devices, mesh {dict(mesh.shape)}; jax {jax.__version__}")
+def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
+  """Trains with both layouts; returns one record of each."""
+  args = parser().parse_args(argv)
+  if jax.device_count() < args.devices:
+    parser().error(f"--devices {args.devices} but jax sees {jax.device_count()}: run it as "
+                   "`python -m examples.sharded_training`, which sets XLA_FLAGS first")
+  mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:args.devices])
+  train_split, _ = stdlib_text.load_splits(args.data_root, max_bytes=20_000_000)
+  print(f"{args.devices} simulated devices, mesh {dict(mesh.shape)}; jax {jax.__version__}")
   rows = []
   for layout in ("zero1", "fsdp"):
-    data = stdlib_text.batches(train_split.data, ARGS.batch, ARGS.seq_len, seed=0)
-    rows.append(train(layout, mesh, data))
+    data = stdlib_text.batches(train_split.data, args.batch, args.seq_len, seed=0)
+    rows.append(train(args, layout, mesh, data))
   print(f"\n{'layout':<7} {'first loss':>10} {'final loss':>10} {'params/device':>14} "
         f"{'state/device':>13} {'state total':>12} {'state share':>11} {'time':>7}")
   for r in rows:
     print(f"{r['layout']:<7} {r['first_loss']:>10.4f} {r['final_loss']:>10.4f} "
           f"{r['param_bytes']:>14,} {r['state_bytes']:>13,} {r['state_total']:>12,} "
           f"{r['state_bytes'] / r['state_total']:>11.3f} {r['seconds']:>6.1f}s")
-  print(f"(an even split would give a state share of 1/{ARGS.devices} = {1 / ARGS.devices:.3f})")
+  print(f"(an even split would give a state share of 1/{args.devices} = {1 / args.devices:.3f})")
+  return rows
 
 
 if __name__ == "__main__":

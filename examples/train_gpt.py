@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
-import sys
 import time
 from typing import Any, Optional
 
-from workload.config import NS_PRESETS, OPTIMIZERS, TrainConfig
+from workload.config import NS_PRESETS, OPTIMIZERS, TrainConfig, simulate_devices
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
@@ -58,16 +56,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
   return cfg, args
 
 
-def _force_host_devices(argv: list[str]) -> None:
-  """Simulates --devices N CPU devices. XLA reads the flag once, when jax is imported."""
-  cfg, _ = parse_args(argv)
-  if cfg.devices > 1 and "jax" not in sys.modules:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={cfg.devices}").strip()
-
-
 if __name__ == "__main__":
-  _force_host_devices(sys.argv[1:])
+  simulate_devices(parse_args()[0].devices)
 
 import jax  # noqa: E402  (after the XLA flags above)
 from flax import nnx  # noqa: E402

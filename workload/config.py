@@ -4,6 +4,8 @@ line can be parsed (and XLA_FLAGS set from it) before jax is imported."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import Any, Optional
 
 # The optimizers a run can use: the Muon family (hidden matrices; AdamW for the rest) and
@@ -11,8 +13,16 @@ from typing import Any, Optional
 OPTIMIZERS = ("muon", "normuon", "adamuon", "adaptive", "adamw")
 # Peak learning rates: the best of each optimizer's sweep on the default configuration
 # (benchmarks/results/convergence.txt). AdamW's is also every aux AdamW's.
-BEST_LR = {"muon": 0.04, "normuon": 0.04, "adamuon": 6e-3, "adaptive": 0.4, "adamw": 6e-3}
+BEST_LR = {"muon": 0.04, "normuon": 0.04, "adamuon": 0.016, "adaptive": 0.8, "adamw": 6e-3}
 NS_PRESETS = ("turbo", "jordan", "polar_express")
+
+
+def simulate_devices(count: int) -> None:
+  """Makes this CPU process show `count` devices, as long as jax is not imported yet:
+  XLA reads the flag once, at import."""
+  if count > 1 and "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={count}").strip()
 
 
 def _flag(default: Any, help: str) -> Any:

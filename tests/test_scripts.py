@@ -1,0 +1,329 @@
+"""Every benchmark and example runs, at its smallest configuration, and runs as documented:
+the commands in the scripts' docstrings and in README.md parse, scripts import only
+`benchmarks.*`, `workload.*` and `muon_optax`, and each is a module run from the
+repository root (`python -m pytest` from there makes the packages importable).
+
+Each script's docstring shows its smallest configuration, the one run here."""
+
+import argparse
+import ast
+import importlib
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+from typing import Optional
+from unittest import mock
+
+import pytest
+
+from workload import stdlib_text
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("benchmarks", "examples", "workload")
+# Every script: a module of benchmarks/ or examples/ run with `python -m`.
+SCRIPTS = sorted(f"{package}.{path.stem}" for package in ("benchmarks", "examples")
+                 for path in (ROOT / package).glob("*.py")
+                 if path.stem not in ("__init__", "common"))
+# A real but small corner of the standard library keeps data loading quick.
+DATA = str(stdlib_text.stdlib_root() / "email")
+
+
+def smallest(module: str, tmp: pathlib.Path) -> Optional[list[str]]:
+  """The smallest command line of each script (as in its docstring); None for the
+  scripts with tests of their own and for benchmarks.hlo, which reads files."""
+  return {
+      "benchmarks.accelerator": ["--shapes", "2x16x48", "--layers", "1", "--d", "32",
+                                 "--vocab", "64", "--reps", "2", "--peak-n", "64"],
+      "benchmarks.adam_backends": ["--tensors", "4", "--size", "64", "--warmup", "1",
+                                   "--steps", "3"],
+      "benchmarks.distributed": ["--layers", "1", "--d", "64", "--vocab", "256",
+                                 "--devices", "1", "2"],
+      "benchmarks.e2e_loss": ["--preset", "tiny", "--steps", "3", "--data-root", DATA,
+                              "--out", str(tmp / "loss.png")],
+      "benchmarks.infer_routing": ["--layers", "1", "--d-model", "32", "--heads", "2",
+                                   "--vocab", "64", "--seq-len", "16", "--repeats", "1"],
+      "benchmarks.newton_schulz": ["--shapes", "2x16x48", "--reps", "2", "--peak-n", "64"],
+      "benchmarks.newton_schulz_criterion": ["--shapes", "16x48"],
+      "benchmarks.newton_schulz_gram": ["--shapes", "16x48", "--dtypes", "float32", "--m",
+                                        "16", "--aspects", "3", "--reps", "2"],
+      "benchmarks.optimizer_step": ["--layers", "1", "--d", "32", "--vocab", "64", "--ctx",
+                                    "8", "--steps", "2"],
+      "examples.qk_clip": ["--steps", "2", "--batch", "2", "--seq-len", "16", "--d-model",
+                           "16", "--heads", "2", "--layers", "1", "--data-root", DATA,
+                           "--out-dir", str(tmp)],
+      "examples.sharded_training": ["--devices", "2", "--steps", "2", "--batch", "4",
+                                    "--seq-len", "16", "--d-model", "32", "--layers", "1",
+                                    "--heads", "2", "--data-root", DATA],
+  }.get(module)
+
+
+def run_module(module: str, argv: list[str], timeout: float = 240) -> str:
+  """`python -m module *argv` from the repository root, as a user runs it; its stdout."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script's own
+  done = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
+
+
+def check_report(out: str, module: str, argv: list[str]) -> None:
+  """The report starts with the command that reproduces it and the machine."""
+  command, machine = out.splitlines()[:2]
+  assert command == f"# python -m {module} {' '.join(argv)}"
+  assert machine.startswith("machine: ")
+
+
+def assert_timed(out: str) -> None:
+  """Times come as min and median, with the load on the machine while they ran."""
+  assert "min" in out and "median" in out
+  assert "load average" in out and ("BUSY" in out or "otherwise idle" in out)
+
+
+# --- each script at its smallest configuration --------------------------------------
+
+
+def test_optimizer_step_times_every_arm(tmp_path, capsys):
+  argv = smallest("benchmarks.optimizer_step", tmp_path)
+  from benchmarks import optimizer_step
+  [times] = optimizer_step.main(argv).values()
+  assert list(times) == ["muon_optax.muon (defaults)", "muon_optax.muon jordan 5",
+                         "muon_optax.muon jordan 5 gram=False", "muon_optax.normuon",
+                         "muon_optax.adamuon", "muon_optax.muon scale='adaptive'",
+                         "optax.contrib.muon", "optax.adamw"]
+  assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.optimizer_step", argv)
+  assert_timed(out)
+  assert "| optax.contrib.muon | " in out and "state B/param (Muon kernels)" in out
+  assert out.count("| mlp/fc ") == 1  # the polar-error table
+
+
+def test_accelerator_runs_the_table_and_the_full_update(tmp_path, capsys):
+  argv = smallest("benchmarks.accelerator", tmp_path)
+  from benchmarks import accelerator
+  accelerator.main(argv)
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.accelerator", argv)
+  assert_timed(out)
+  assert out.count("| 2×16×48 | ") == 9  # 8 muon_optax arms and optax.contrib's
+  assert "| muon_optax.adamuon | " in out and "| optax.contrib.muon | " in out
+
+
+def test_newton_schulz_times_every_arm(tmp_path, capsys):
+  argv = smallest("benchmarks.newton_schulz", tmp_path)
+  from benchmarks import newton_schulz
+  newton_schulz.main(argv)
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.newton_schulz", argv)
+  assert_timed(out)
+  assert out.count("| 2×16×48 | ") == 12 + 2 + 1  # ours, optax's, the peak
+
+
+def test_newton_schulz_criterion_compares_every_arm(tmp_path, capsys):
+  argv = smallest("benchmarks.newton_schulz_criterion", tmp_path)
+  from benchmarks import newton_schulz_criterion
+  newton_schulz_criterion.main(argv)
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.newton_schulz_criterion", argv)
+  rows = [line for line in out.splitlines() if line.startswith("| 16×48 |")]
+  assert len(rows) == 2 * len(newton_schulz_criterion.ARMS)
+  assert rows[0].split(" | ")[4:6] == ["1.000", "1.000"]  # the baseline against itself
+
+
+def test_newton_schulz_gram_forces_restarts_and_times_the_crossover(tmp_path, capsys):
+  argv = smallest("benchmarks.newton_schulz_gram", tmp_path)
+  from benchmarks import newton_schulz_gram
+  newton_schulz_gram.main(argv)
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.newton_schulz_gram", argv)
+  assert_timed(out)
+  f64_err = {line.split(" | ")[4]: float(line.split(" | ")[5]) for line in out.splitlines()
+             if "| gaussian | jordan | float32 |" in line}
+  # Forced restarts take effect: without any, rounding grows well past one restart's.
+  assert f64_err["gram ()"] > 3 * f64_err["gram (2,)"]
+  assert f64_err["gram (auto) (2,)"] == f64_err["gram (2,)"]
+  assert "| 16×48 | 3 |" in out
+
+
+def test_adam_backends_times_every_backend(tmp_path, capsys):
+  argv = smallest("benchmarks.adam_backends", tmp_path)
+  from benchmarks import adam_backends
+  times = adam_backends.main(argv)
+  assert list(times) == ["optax.adamw"] + [f"mo.AuxAdam(backend={b!r})"
+                                           for b in ("optax", "offload", "reference")]
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.adam_backends", argv)
+  assert_timed(out)
+
+
+def test_infer_routing_routes_both_variants(tmp_path, capsys):
+  argv = smallest("benchmarks.infer_routing", tmp_path)
+  from benchmarks import infer_routing
+  times = infer_routing.main(argv)
+  assert {k: len(v) for k, v in times.items()} == {False: 1, True: 1}
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.infer_routing", argv)
+  assert "6 muon / 15 adam leaves" in out and "6 muon / 14 adam leaves" in out
+
+
+def test_distributed_compiles_both_layouts(tmp_path, capsys):
+  argv = smallest("benchmarks.distributed", tmp_path)
+  from benchmarks import distributed
+  distributed.main(argv)
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.distributed", argv)
+  rows = [line.split() for line in out.splitlines() if line.startswith(("zero1", "fsdp"))]
+  assert [(r[0], r[1], r[2]) for r in rows] == [
+      (kind, n, name) for kind in ("zero1", "fsdp") for n in ("1", "2")
+      for name in ("muon_optax", "optax.contrib.muon")]
+
+
+def test_hlo_counts_the_collectives_of_a_saved_program(tmp_path):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  x = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  program = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P())).lower(x)
+  path = tmp_path / "program.txt"
+  path.write_text(program.compile().as_text())
+  out = run_module("benchmarks.hlo", [str(path)], timeout=60)
+  assert f"| {path} | 0, 0 | 1, " in out  # one all-reduce
+
+
+@pytest.mark.slow  # end-to-end training
+def test_e2e_loss_backends_give_the_same_losses(tmp_path, capsys):
+  argv = smallest("benchmarks.e2e_loss", tmp_path)
+  from benchmarks import e2e_loss
+  curves = e2e_loss.main(argv)
+  reference = next(iter(curves.values()))
+  assert len(curves) == 4 and all(len(c) == 3 for c in curves.values())
+  assert all(abs(c - reference).max() < 1e-4 for c in curves.values())
+  check_report(capsys.readouterr().out, "benchmarks.e2e_loss", argv)
+  assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # end-to-end training
+def test_convergence_sweeps_trains_and_times(tmp_path, capsys):
+  convergence = importlib.import_module("benchmarks.convergence")
+  summary = convergence.main([
+      "--steps", "4", "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len", "16",
+      "--batch", "4", "--eval-every", "2", "--eval-batches", "1", "--seeds", "0",
+      "--optimizers", "adamw", "muon", "--adamw-lrs", "3e-3", "--muon-lrs", "0.02",
+      "--extend", "0", "--presets", "--time-reps", "2", "--data-root", DATA,
+      "--out-dir", str(tmp_path)])
+  assert summary["best_rates"] == {"adamw": 3e-3, "muon": 0.02}
+  assert {k: len(v) for k, v in summary["step_times_s"].items()} == {"adamw": 2, "muon": 2}
+  assert_timed(capsys.readouterr().out)
+  assert (tmp_path / "convergence.json").stat().st_size > 0
+
+
+def test_qk_clip_trains_both_runs(tmp_path):
+  from examples import qk_clip
+  runs = qk_clip.main(smallest("examples.qk_clip", tmp_path))
+  assert list(runs) == ["Muon", "MuonClip"]
+  assert all(len(losses) == 2 for losses, _, _ in runs.values())
+  assert (tmp_path / "qk_clip.png").stat().st_size > 0
+
+
+def test_sharded_training_sets_up_its_devices_and_trains_both_layouts(tmp_path):
+  """Run as a user runs it: the script sets XLA_FLAGS for --devices before importing jax."""
+  out = run_module("examples.sharded_training", smallest("examples.sharded_training", tmp_path))
+  assert "2 simulated devices, mesh {'data': 2}" in out
+  assert [line.split()[0] for line in out.splitlines()
+          if line.startswith(("zero1", "fsdp"))] == ["zero1", "fsdp"]
+
+
+# --- runs as documented ----------------------------------------------------------------
+
+
+def documented_commands(text: str) -> list[tuple[str, list[str]]]:
+  """(module, argv) of every `python -m benchmarks.x ...` / `examples.x` in a text, with
+  line continuations joined, comments dropped and optional-flag brackets removed."""
+  text = text.replace("\\\n", " ")
+  commands = []
+  for match in re.finditer(r"python -m\s+((?:benchmarks|examples)\.\w+)([^`\n#&]*)", text):
+    argv = shlex.split(match.group(2).replace("[", " ").replace("]", " "))
+    commands.append((match.group(1), [a for a in argv if a not in ("...", "…")]))
+  return commands
+
+
+def parses(module: str, argv: list[str]) -> None:
+  """The script's own command line accepts argv: its main runs up to the parsing only."""
+
+  class Parsed(Exception):
+    pass
+
+  parse_args = argparse.ArgumentParser.parse_args
+
+  def parse_then_stop(self, args=None, namespace=None):
+    parse_args(self, args, namespace)  # exits on a flag it does not know
+    raise Parsed
+
+  with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop):
+    with pytest.raises(Parsed):
+      importlib.import_module(module).main(argv)
+
+
+def without_paths(argv: list[str]) -> list[str]:
+  """argv with the values of path flags blanked: docstrings show DIR, tests a tmp path."""
+  return ["…" if i and argv[i - 1] in ("--data-root", "--out", "--out-dir") else a
+          for i, a in enumerate(argv)]
+
+
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_docstring_commands_parse_and_show_the_smallest(module, tmp_path):
+  source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+  commands = documented_commands(ast.get_docstring(ast.parse(source)) or "")
+  assert commands, f"{module}: no `python -m {module}` in its docstring"
+  for name, argv in commands:
+    assert name == module, f"{module}'s docstring documents {name}"
+    parses(module, argv)
+  if (argv := smallest(module, tmp_path)) is not None:
+    assert without_paths(argv) in [without_paths(a) for _, a in commands]
+
+
+def test_readme_commands_parse():
+  commands = documented_commands((ROOT / "README.md").read_text())
+  assert commands
+  for module, argv in commands:
+    assert module in SCRIPTS, f"README.md runs {module}, which is no script"
+    parses(module, argv)
+
+
+# The scripts tested on a tiny configuration in files of their own.
+ELSEWHERE = {"benchmarks.checkpoint_io": "test_checkpoint_benchmark.py",
+             "examples.train_gpt": "test_train_gpt.py"}
+
+
+def test_every_script_has_a_smallest_test():
+  here = pathlib.Path(__file__).read_text().split("\nELSEWHERE = ")[0]
+  for module in SCRIPTS:
+    package, _, name = module.partition(".")
+    tested = (ROOT / "tests" / ELSEWHERE[module]).read_text() if module in ELSEWHERE else here
+    assert f'"{module}"' in tested or f"from {package} import {name}" in tested, module
+
+
+def test_scripts_are_modules_that_import_only_the_project_packages():
+  """No sys.path edits, no sibling modules imported by bare name; benchmarks never
+  import examples, and neither examples nor workload import benchmarks."""
+  siblings = {path.stem for package in PACKAGES for path in (ROOT / package).glob("*.py")}
+  forbidden = {"benchmarks": {"examples"}, "examples": {"benchmarks"},
+               "workload": {"benchmarks", "examples"}}
+  for package in PACKAGES:
+    for path in (ROOT / package).glob("*.py"):
+      source = path.read_text()
+      assert "sys.path" not in source, path
+      if path.stem not in ("__init__", "common") and package != "workload":
+        assert re.search(r'\nif __name__ == "__main__":\n  main\(\)\n$', source), path
+      for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+        for name in names:
+          top = name.split(".")[0]
+          assert top not in siblings - set(PACKAGES), f"{path}: import {name}"
+          assert top not in forbidden[package], f"{path}: import {name}"
