@@ -100,9 +100,10 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
     `pinned_host`.
 
   Example:
-    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> import jax, jax.numpy as jnp, muon_optax as mo
     >>> tx = mo.offload_state(mo.scale_by_muon_momentum(0.9))
-    >>> s = tx.init({"w": jnp.ones((2, 2))})
+    >>> params = jax.device_put({"w": jnp.ones((2, 2))}, jax.devices()[0])  # committed
+    >>> s = tx.init(params)
     >>> s.mu["w"].sharding.memory_kind
     'pinned_host'
   """

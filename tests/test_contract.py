@@ -124,7 +124,8 @@ def problem_params(case: Case, problem: str, dtype=jnp.float32) -> dict:
     p = {"kernel": ROSEN_START, "bias": ROSEN_START.reshape(-1)}
   if case.matrices_only:
     del p["bias"]
-  return {"dense": jax.tree.map(lambda x: jnp.asarray(x, dtype), p)}
+  params = {"dense": jax.tree.map(lambda x: jnp.asarray(x, dtype), p)}
+  return jax.device_put(params, jax.devices()[0]) if case.commit_params else params
 
 
 def parabola(params):
@@ -308,8 +309,6 @@ class _CompileLog(logging.Handler):
 @cases
 def test_second_update_does_not_recompile(case):
   params = problem_params(case, "parabola")
-  if case.commit_params:
-    params = jax.device_put(params, jax.devices()[0])
   tx = case.make(schedules=False)
   traces = []
 
