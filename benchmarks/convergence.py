@@ -14,7 +14,10 @@ initialization and batch sequence (per seed) under the same warmup + cosine sche
    final validation loss over seeds and their spread (max − min), and the steps each
    needs to reach AdamW's mean final validation loss (its curve read between
    evaluations; "—" if it never does), as a fraction of the run.
-4. --presets: Muon at its best rate with each Newton–Schulz preset, every seed.
+4. --presets: Muon with each Newton–Schulz preset on every seed, at Muon's best rate
+   times each of --preset-factors; with several factors, turbo runs them too and each
+   preset is reported at its own best factor (by the mean over seeds, for every preset
+   alike), since a preset whose singular values land elsewhere may want another rate.
 5. The optimizer step (update + apply) of each optimizer on this model, jitted, timed
    interleaved: min and median of --time-reps calls, relative to Muon's, with the load
    average around them.
@@ -24,6 +27,7 @@ curves) and prints the tables.
 
     python -m benchmarks.convergence                          # main job's config, ~30 min
     python -m benchmarks.convergence --layers 4 --d-model 128 # the wider config
+    python -m benchmarks.convergence --times-only             # step times alone (idle machine)
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from flax import nnx
 
 from benchmarks.common import load_average, load_note, machine, ratio_table, time_steps
 from workload import stdlib_text
-from workload.config import TrainConfig
+from workload.config import BEST_LR, TrainConfig
 from workload.train import make_model, make_optimizer, routing_of, steps_to_reach, train
 
 FAMILY = ("muon", "normuon", "adamuon", "adaptive")
@@ -69,7 +73,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p.add_argument("--extend", type=int, default=3, help="most extensions of an edge sweep")
   p.add_argument("--presets", nargs="*", default=["jordan", "polar_express"],
                  help="Newton–Schulz presets to compare with turbo (none: skip)")
+  p.add_argument("--preset-factors", type=float, nargs="+", default=[1.0],
+                 help="rates of the preset comparison, as factors of Muon's best")
   p.add_argument("--time-reps", type=int, default=30)
+  p.add_argument("--times-only", action="store_true",
+                 help="only step 5, at the rates of workload.config.BEST_LR (a step's time "
+                      "does not depend on its rate)")
   p.add_argument("--data-root", default="", help="a directory of .py files (default: stdlib)")
   p.add_argument("--out-dir", default="runs/convergence")
   return p.parse_args(argv)
@@ -137,6 +146,17 @@ def step_times(base: TrainConfig, best: dict[str, float], adam_lr: float, reps: 
   return times
 
 
+def times_only(base: TrainConfig, args: argparse.Namespace) -> dict[str, Any]:
+  best = {name: BEST_LR[name] for name in args.optimizers}
+  before = load_average()
+  times = step_times(base, best, BEST_LR["adamw"], args.time_reps)
+  after = load_average()
+  print(f"\noptimizer step (update + apply, jitted), {args.time_reps} interleaved calls; "
+        f"{load_note(before, after)}\n")
+  print(ratio_table(times, "muon" if "muon" in times else next(iter(times))))
+  return {"step_times_s": times, "load_average": [before, after]}
+
+
 def plot(rows: list[dict], run: Runner, target: float, path: pathlib.Path, title: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -182,6 +202,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   print(f"model: GPT {args.layers} layers × d_model {args.d_model}, {args.heads} heads, "
         f"seq_len {args.seq_len}, batch {args.batch}, {args.steps} steps; seeds {args.seeds}; "
         f"val every {args.eval_every} steps on {args.eval_batches}×{args.batch} windows")
+  if args.times_only:
+    return times_only(base, args)
   rates = lambda name: getattr(args, f"{name}_lrs")
   print("sweeps (seed 0):")
   adam_lr = sweep(run, "adamw", rates("adamw"), args.extend)
@@ -197,11 +219,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     row = summary_row(name, lr, at_best(run, name, lr, args.seeds, **kw), target, args.steps)
     rows.append({**row, "label": name, "run_kw": kw})
   if args.presets and "muon" in best:
-    print("Newton–Schulz presets (Muon at its best rate):")
-    for ns in args.presets:
+    print("Newton–Schulz presets:")
+    presets = args.presets if args.preset_factors == [1.0] else ["turbo", *args.presets]
+    for ns in presets:
       kw = {"adam_lr": adam_lr, "ns": ns}
-      row = summary_row("muon", best["muon"], at_best(run, "muon", best["muon"], args.seeds, **kw),
-                        target, args.steps)
+      candidates = [summary_row("muon", best["muon"] * f, at_best(
+          run, "muon", best["muon"] * f, args.seeds, **kw), target, args.steps)
+                    for f in args.preset_factors]
+      row = min(candidates, key=lambda r: r["mean"])
       rows.append({**row, "label": f"muon ns={ns}", "run_kw": kw})
 
   print("optimizer step times:")

@@ -327,3 +327,20 @@ def test_scripts_are_modules_that_import_only_the_project_packages():
           top = name.split(".")[0]
           assert top not in siblings - set(PACKAGES), f"{path}: import {name}"
           assert top not in forbidden[package], f"{path}: import {name}"
+
+
+def test_convergence_times_alone_and_its_presets_at_their_own_rates(tmp_path, capsys):
+  convergence = importlib.import_module("benchmarks.convergence")
+  tiny = ["--steps", "2", "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len", "16",
+          "--batch", "4", "--eval-every", "1", "--eval-batches", "1", "--time-reps", "2",
+          "--data-root", DATA, "--out-dir", str(tmp_path)]
+  times = convergence.main(tiny + ["--times-only", "--optimizers", "muon", "normuon"])
+  assert {k: len(v) for k, v in times["step_times_s"].items()} == {"muon": 2, "normuon": 2}
+  assert_timed(capsys.readouterr().out)
+  summary = convergence.main(tiny + [
+      "--seeds", "0", "--optimizers", "adamw", "muon", "--adamw-lrs", "3e-3",
+      "--muon-lrs", "0.02", "--extend", "0", "--presets", "jordan",
+      "--preset-factors", "0.5", "1"])
+  presets = {r["label"]: r["lr"] for r in summary["rows"] if "ns=" in r["label"]}
+  assert set(presets) == {"muon ns=turbo", "muon ns=jordan"}
+  assert set(presets.values()) <= {0.01, 0.02}
