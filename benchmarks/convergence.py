@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import load_average, load_note, machine, ratio_table, time_steps
+from benchmarks.common import LoadWatch, machine, ratio_table, time_steps
 from workload import stdlib_text
 from workload.config import BEST_LR, TrainConfig
 from workload.train import make_model, make_optimizer, routing_of, steps_to_reach, train
@@ -148,13 +148,12 @@ def step_times(base: TrainConfig, best: dict[str, float], adam_lr: float, reps: 
 
 def times_only(base: TrainConfig, args: argparse.Namespace) -> dict[str, Any]:
   best = {name: BEST_LR[name] for name in args.optimizers}
-  before = load_average()
-  times = step_times(base, best, BEST_LR["adamw"], args.time_reps)
-  after = load_average()
+  with LoadWatch() as load:
+    times = step_times(base, best, BEST_LR["adamw"], args.time_reps)
   print(f"\noptimizer step (update + apply, jitted), {args.time_reps} interleaved calls; "
-        f"{load_note(before, after)}\n")
+        f"{load.note()}\n")
   print(ratio_table(times, "muon" if "muon" in times else next(iter(times))))
-  return {"step_times_s": times, "load_average": [before, after]}
+  return {"step_times_s": times, "load": load.note()}
 
 
 def plot(rows: list[dict], run: Runner, target: float, path: pathlib.Path, title: str) -> None:
@@ -230,21 +229,20 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       rows.append({**row, "label": f"muon ns={ns}", "run_kw": kw})
 
   print("optimizer step times:")
-  before = load_average()
-  times = step_times(base, best, adam_lr, args.time_reps)
-  after = load_average()
+  with LoadWatch() as load:
+    times = step_times(base, best, adam_lr, args.time_reps)
 
   print(f"\nfinal validation loss at each optimizer's best rate (chosen on seed 0), "
         f"seeds {args.seeds}; target = AdamW's mean final val {target:.4f}\n")
   print(table(rows, args.steps))
   reference = "muon" if "muon" in times else next(iter(times))
   print(f"\noptimizer step (update + apply, jitted), {args.time_reps} interleaved calls; "
-        f"{load_note(before, after)}\n")
+        f"{load.note()}\n")
   print(ratio_table(times, reference))
   out = pathlib.Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   summary = {"best_rates": best, "target": target, "rows": rows,
-             "step_times_s": times, "load_average": [before, after], "machine": machine(),
+             "step_times_s": times, "load": load.note(), "machine": machine(),
              "args": vars(args), "total_time_s": time.perf_counter() - t0}
   (out / "convergence.json").write_text(json.dumps(
       {"summary": summary, "runs": list(run.records.values())}, indent=1, default=str))

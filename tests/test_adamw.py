@@ -89,7 +89,7 @@ def test_complex_first_step_is_the_unit_phase(backend):
   m_hat, v_hat = (1 - 0.9) * g / (1 - b1), (1 - 0.999) * np.abs(g) ** 2 / (1 - b2)
   expected = -0.1 * m_hat / (np.sqrt(v_hat) + 1e-8)
   tx = mo.AuxAdam(0.1, backend=backend).transform()
-  p = {"z": jnp.ones(3, jnp.complex64)}
+  p = jax.device_put({"z": jnp.ones(3, jnp.complex64)}, jax.devices()[0])  # committed
   u, state = tx.update({"z": jnp.asarray(g, jnp.complex64)}, tx.init(p), p)
   np.testing.assert_allclose(np.asarray(u["z"]), expected, rtol=4 * EPS32)
   np.testing.assert_allclose(np.round(complex(u["z"][0]), 4), -0.0287 + 0.0958j)
@@ -123,10 +123,12 @@ def test_complex_parabola_converges_to_its_minimum():
 
 def test_mixed_dtypes_and_bfloat16_moments():
   """bfloat16 and float32 leaves with bfloat16 first moments: every backend agrees."""
-  params = {"a": jnp.linspace(-1, 1, 12, dtype=jnp.bfloat16).reshape(3, 4),
-            "b": jnp.linspace(0, 1, 5, dtype=jnp.float32), "c": jnp.ones(7, jnp.bfloat16)}
+  params = jax.device_put({"a": jnp.linspace(-1, 1, 12, dtype=jnp.bfloat16).reshape(3, 4),
+                           "b": jnp.linspace(0, 1, 5, dtype=jnp.float32),
+                           "c": jnp.ones(7, jnp.bfloat16)}, jax.devices()[0])  # committed
   grads = jax.tree.map(lambda p: jnp.cos(p * 3), params)
-  txs = {b: mo.AuxAdam(1e-2, weight_decay=0.1, mu_dtype=jnp.bfloat16, backend=b).transform() for b in mo.BACKENDS}
+  txs = {b: mo.AuxAdam(1e-2, weight_decay=0.1, mu_dtype=jnp.bfloat16, backend=b).transform()
+         for b in mo.BACKENDS}
 
   @jax.jit
   def two_steps():
