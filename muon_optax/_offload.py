@@ -66,9 +66,12 @@ def commit_scalars(state: Any) -> Any:
   return commit_like(state, [x for x in jax.tree.leaves(state) if jnp.ndim(x)])
 
 
-def warn_if_uncommitted(params: Any) -> None:
+def warn_if_uncommitted(params: Any, state: Any) -> None:
   """Offloaded state is committed (it lives in a memory space), and so is everything a
-  jitted step returns next to it: uncommitted params would make step 2 compile again."""
+  jitted step returns next to it: uncommitted params would make step 2 compile again.
+  (A state made under a trace is placed by that trace: nothing to warn of.)"""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    return
   arrays = [x for x in jax.tree.leaves(params)
             if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
   if arrays and not any(x.committed for x in arrays):
@@ -111,8 +114,9 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
 
   def init_fn(params):
     check_host_memory()
-    warn_if_uncommitted(params)
-    return commit_scalars(to_host(inner.init(params)))
+    state = inner.init(params)
+    warn_if_uncommitted(params, state)
+    return commit_scalars(to_host(state))
 
   def update_fn(updates, state, params=None, **extra_args):
     updates, state = inner.update(updates, to_device(state), params, **extra_args)
