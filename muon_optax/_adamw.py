@@ -175,10 +175,7 @@ class AuxAdam:
     """AdamW with these settings; its state is the backend's NamedTuple. The mask is
     checked against the params at init; `optax.MaskedNode` leaves (an `optax.partition`
     branch's placeholders for other branches' leaves) are skipped."""
-    mask = self.mask
-    if mask is not None and not callable(mask):  # a full-params mask inside a branch too
-      mask = lambda params: jax.tree.map(lambda m, p: p if _paths.is_masked(p) else m,
-                                         self.mask, params, is_leaf=_paths.is_masked)
+    mask = _tree_fit.branch_mask(self.mask)  # a full-params mask, inside a branch too
     tx = _build(dict(learning_rate=self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
                      weight_decay=self.weight_decay, mask=mask, nesterov=self.nesterov,
                      mu_dtype=self.mu_dtype), self.backend)

@@ -12,7 +12,7 @@ import optax
 from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
-from muon_optax import _offload, _paths, _routing, _tree_fit, _validate
+from muon_optax import _offload, _routing, _tree_fit, _validate
 from muon_optax._adamw import AuxAdam
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._ns_settings import DEFAULT_NS, NS
@@ -96,7 +96,7 @@ def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: Scal
   routing = _routing.as_routing(routing)
   hidden = optax.chain(
       direction,
-      optax.add_decayed_weights(weight_decay, _branch_mask(weight_decay_mask)),
+      optax.add_decayed_weights(weight_decay, _tree_fit.branch_mask(weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),
   )
   if offload_momentum:
@@ -131,15 +131,6 @@ def _momentum_of(state: Any) -> Any:
   found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, MuonMomentumState))
            if isinstance(x, MuonMomentumState)]
   return found[0].mu
-
-
-def _branch_mask(mask: Mask) -> Mask:
-  """A mask over the full params, made usable inside an `optax.partition` branch,
-  whose params hold `optax.MaskedNode` where the leaf belongs to another branch."""
-  if mask is None or callable(mask):
-    return mask
-  return lambda params: jax.tree.map(
-      lambda m, p: p if _paths.is_masked(p) else m, mask, params, is_leaf=_paths.is_masked)
 
 
 def _aux_branch(adam: Union[AuxAdam, optax.GradientTransformation, None],

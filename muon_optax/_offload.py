@@ -31,11 +31,16 @@ def to_device(tree: Any) -> Any:
       lambda x: jax.device_put(x, jax.memory.Space.Device) if jnp.ndim(x) else x, tree)
 
 
+def _concrete(x: Any) -> bool:
+  """Whether `x` is an array with a placement (not a tracer, which has none yet)."""
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
 def _committed_sharding(tree: Any) -> Any:
   """Where the committed concrete arrays of `tree` live, as the sharding a scalar should
   take there (the device, or replicated on the mesh); None if none is committed."""
   for x in jax.tree.leaves(tree):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
+    if _concrete(x) and x.committed:
       sharding = x.sharding
       if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
@@ -56,9 +61,7 @@ def commit_like(state: Any, params: Any) -> Any:
   if target is None:
     return state
   return jax.tree.map(
-      lambda x: jax.device_put(x, target)
-      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.committed
-      else x, state)
+      lambda x: jax.device_put(x, target) if _concrete(x) and not x.committed else x, state)
 
 
 def commit_scalars(state: Any) -> Any:
@@ -72,8 +75,7 @@ def warn_if_uncommitted(params: Any, state: Any) -> None:
   (A state made under a trace is placed by that trace: nothing to warn of.)"""
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
     return
-  arrays = [x for x in jax.tree.leaves(params)
-            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+  arrays = [x for x in jax.tree.leaves(params) if _concrete(x)]
   if arrays and not any(x.committed for x in arrays):
     warnings.warn(
         "host offload: the params are not committed to a device, so a jitted step will "

@@ -18,8 +18,6 @@ from muon_optax._name_rules import (  # noqa: F401  (ADAM, FROZEN: for `_routing
 from muon_optax._ns_plan import newton_schulz_plan
 from muon_optax._ns_settings import DEFAULT_NS, NS, as_newton_schulz
 
-Labels = Any  # None, a label pytree (or a prefix of one), a callable params -> labels, a Routing
-
 
 def expand_labels(label_tree: Any, params: Any) -> Any:
   """A label tree that is `params`' structure or a prefix of it (as `optax.partition`
@@ -167,10 +165,6 @@ def as_routing(routing: Any = None) -> Routing:
     return Routing.from_rules()
   return Routing.from_labels(routing)
 
-
-def resolve_labels(routing: Any, params: Any) -> Any:
-  """The full label pytree of `params` under a `routing=` argument (see `as_routing`)."""
-  return as_routing(routing).labels(params)
 
 
 def check_leaf(path: str, leaf: Any, label: Any, views: ViewFn, known: Sequence[str]) -> None:

@@ -8,14 +8,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from muon_optax import _paths, _validate
 from muon_optax._matrix_view import MatrixView
 from muon_optax._orthogonalize import matrix_view_of
 from muon_optax._routing import as_routing
-from muon_optax._state_sharding import explicit_spec, reshard_to
+from muon_optax._state_sharding import explicit_spec, kept_spec, reshard_to
 
 OVER = ("neurons", "elements")
 RESCALE = ("norm", "rms")
@@ -106,10 +105,8 @@ def scale_by_second_moment(
     if over == "neurons":
       square = jnp.mean(square, axis=view.fan_in, keepdims=True)
     # On Explicit axes, the statistic is used in the update's layout and kept in its own.
-    kept = explicit_spec(v)
-    spec = explicit_spec(x)
-    if spec is not None:
-      spec = P(*(None if size == 1 else e for size, e in zip(v.shape, spec)))
+    kept, spec = explicit_spec(v), explicit_spec(x)
+    spec = None if spec is None else kept_spec(spec, v.shape)
     v = (b2 * reshard_to(v, spec) + (1 - b2) * square).astype(v.dtype)
     v_hat = v / (1 - b2 ** count).astype(v.dtype)
     normalized = x / (jnp.sqrt(v_hat) + eps)

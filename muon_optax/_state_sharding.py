@@ -133,14 +133,15 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
   def sharding(path: str, leaf: Any) -> NamedSharding:
     shape = tuple(leaf.shape)
     param = mirrored_param(path, shape, param_shapes, reduced=True)
-    spec = P() if param is None else _kept(param_specs.get(param, P()), shape)
+    spec = P() if param is None else kept_spec(param_specs.get(param, P()), shape)
     return NamedSharding(mesh, _add_data_axis(shape, spec, mesh, axes))
 
   return _paths.map_with_path(sharding, abstract)
 
 
-def _kept(spec: P, shape: tuple[int, ...]) -> P:
-  """The parameter's spec on the axes a statistic keeps (size-1 axes are replicated)."""
+def kept_spec(spec: P, shape: tuple[int, ...]) -> P:
+  """A parameter's spec for a statistic of `shape` over some of its axes: the axes it
+  keeps as they are, its size-1 (reduced) axes replicated."""
   entries = list(spec) + [None] * (len(shape) - len(spec))
   return P(*(None if size == 1 else e for size, e in zip(shape, entries)))
 

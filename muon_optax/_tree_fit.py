@@ -34,6 +34,16 @@ def prefix_mismatch(prefix: Any, params: Any) -> Optional[str]:
   return None
 
 
+def branch_mask(mask: Any) -> Any:
+  """A mask over the full params (a tree of bools), made usable inside an
+  `optax.partition` branch, whose params hold `optax.MaskedNode` where the leaf belongs
+  to another branch; None and callables as they are."""
+  if mask is None or callable(mask):
+    return mask
+  return lambda params: jax.tree.map(
+      lambda m, p: p if _paths.is_masked(p) else m, mask, params, is_leaf=_paths.is_masked)
+
+
 def check_mask(name: str, mask: Any, params: Any) -> None:
   """A ValueError naming `name` and the first differing path unless the mask (a tree of
   bools, or a callable params -> such a tree) fits `params`."""
