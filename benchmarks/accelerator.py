@@ -26,18 +26,34 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import muon_optax as mo
-from benchmarks.common import (D, JORDAN5_STANDARD, VOCAB, LoadWatch, gpt2_tree, header,
-                               kernels, min_median, optax_orthogonalize, optimizer_arms,
-                               parse_shapes, polar_error, polar_factor, random_like,
-                               ratio_table, time_interleaved, time_steps)
-from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan
+from benchmarks.common import (
+  JORDAN5_STANDARD,
+  VOCAB,
+  D,
+  LoadWatch,
+  gpt2_tree,
+  header,
+  kernels,
+  min_median,
+  optax_orthogonalize,
+  optimizer_arms,
+  parse_shapes,
+  polar_error,
+  polar_factor,
+  random_like,
+  ratio_table,
+  time_interleaved,
+  time_steps,
+)
+from muon_optax._newton_schulz.plan import newton_schulz_flops, newton_schulz_plan
 
 FULL_SHAPES = "768x768,768x2304,768x3072,3072x768,12x768x768"
 QUICK_SHAPES = "192x192,192x576,192x768,768x192,12x192x192"

@@ -15,7 +15,8 @@ as `optax.adamw`. Prints the min and median step time per backend and their rati
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import optax

@@ -4,11 +4,12 @@ A GPT-2-shaped params tree of two blocks (width 768; a vocabulary of 2048 keeps 
 embedding from dominating) and its `muon` optimizer state, about 66 and 76 MB, both
 filled with random values (zeros would compress to nothing). One timed save is
 `Checkpointer.save` then `wait()`, so it includes the write, the commit and the
-retirement of the step that falls out of `max_to_keep=2`; one timed restore reads the latest step into an abstract
-target on the default device. The verified arms write checksums (`save(checksums=True)`)
-and check them (`restore(verify=True)`); the unverified arms do neither. The arms take
-turns call by call. Prints min and median of N per arm with the 1-minute load average
-before and after the timed calls, and writes the same to `--out`.
+retirement of the step that falls out of `max_to_keep=2`; one timed restore reads the
+latest step into an abstract target on the default device. The verified arms write
+checksums (`save(checksums=True)`) and check them (`restore(verify=True)`); the
+unverified arms do neither. The arms take turns call by call. Prints min and median of N
+per arm with the 1-minute load average before and after the timed calls, and writes the
+same to `--out`.
 
     python -m benchmarks.checkpoint_io [--layers 2] [--reps 10] [--out PATH]
 """
@@ -21,7 +22,8 @@ import os
 import statistics
 import sys
 import tempfile
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp

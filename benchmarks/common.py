@@ -13,7 +13,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -302,7 +303,7 @@ class LoadWatch:
   after: float = 0.0
   others: Optional[float] = None
 
-  def __enter__(self) -> "LoadWatch":
+  def __enter__(self) -> LoadWatch:
     self.before, self._start = load_average(), _cpu_times()
     return self
 
@@ -341,8 +342,9 @@ def ratio_table(times: dict[str, list[float]], reference: str, unit: float = 1e3
   `extra` adds columns, {header: {arm: text}}."""
   extra = extra or {}
   ref_min, ref_med = min_median(times[reference])
-  rows = ["| arm | min {0} | median {0} | min / {1} | median / {1} | N |".format(
-      unit_name, reference) + "".join(f" {h} |" for h in extra),
+  header = (f"| arm | min {unit_name} | median {unit_name} | min / {reference} "
+            f"| median / {reference} | N |")
+  rows = [header + "".join(f" {h} |" for h in extra),
           "|---|--:|--:|--:|--:|--:|" + "--:|" * len(extra)]
   for name, ts in times.items():
     lo, med = min_median(ts)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 MAX_DEVICES = 8
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 import re
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 

@@ -26,16 +26,23 @@ line is the smallest run.
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import muon_optax as mo
-from benchmarks.common import (LoadWatch, header, min_median, optax_orthogonalize, parse_shapes,
-                               time_interleaved)
-from muon_optax._ns_plan import newton_schulz_flops
+from benchmarks.common import (
+  LoadWatch,
+  header,
+  min_median,
+  optax_orthogonalize,
+  parse_shapes,
+  time_interleaved,
+)
+from muon_optax._newton_schulz.plan import newton_schulz_flops
 
 STEPS = 5  # of jordan, polar_express and optax's iteration; turbo runs its own 4
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import numpy as np

@@ -22,16 +22,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 from unittest import mock
 
 import jax
 import numpy as np
 
 import muon_optax as mo
-import muon_optax._ns_plan as ns_plan
-from benchmarks.common import (LoadWatch, header, min_median, parse_shapes, polar_factor,
-                               time_interleaved, with_spectrum)
+import muon_optax._newton_schulz.plan as ns_plan
+from benchmarks.common import (
+  LoadWatch,
+  header,
+  min_median,
+  parse_shapes,
+  polar_factor,
+  time_interleaved,
+  with_spectrum,
+)
 
 STEPS = 5
 FORCED = [(), (2,), (2, 4)]

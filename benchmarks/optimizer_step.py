@@ -27,16 +27,33 @@ The second line is the smallest run (a 32-wide tree): it checks that every arm r
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 
 import muon_optax as mo
-from benchmarks.common import (CTX, D, JORDAN5, JORDAN5_STANDARD, VOCAB, LoadWatch, gpt2_tree,
-                               header, kernels, num_params, optax_orthogonalize,
-                               optimizer_arms, polar_error, polar_factor, random_like,
-                               ratio_table, time_steps, tree_bytes)
-from muon_optax._ns_plan import newton_schulz_flops
+from benchmarks.common import (
+  CTX,
+  JORDAN5,
+  JORDAN5_STANDARD,
+  VOCAB,
+  D,
+  LoadWatch,
+  gpt2_tree,
+  header,
+  kernels,
+  num_params,
+  optax_orthogonalize,
+  optimizer_arms,
+  polar_error,
+  polar_factor,
+  random_like,
+  ratio_table,
+  time_steps,
+  tree_bytes,
+)
+from muon_optax._newton_schulz.plan import newton_schulz_flops
 
 REFERENCE = "optax.contrib.muon"
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from workload.config import simulate_devices
 
@@ -46,7 +47,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
-
 from workload import stdlib_text  # noqa: E402
 from workload.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 

@@ -66,8 +66,7 @@ from tqdm import tqdm  # noqa: E402
 import muon_optax as mo  # noqa: E402
 from workload import stdlib_text  # noqa: E402
 from workload.gpt import num_params  # noqa: E402
-from workload.train import (make_model, plot_runs, routing_of, steps_to_reach,  # noqa: E402
-                            summary_table, train)
+from workload.train import make_model, plot_runs, routing_of, steps_to_reach, summary_table, train  # noqa: E402
 
 
 def comparison(run: dict[str, Any], adamw: dict[str, Any]) -> str:

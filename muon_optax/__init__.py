@@ -1,26 +1,25 @@
 """muon_optax: Muon (momentum orthogonalized by Newton–Schulz) as composable Optax transforms."""
 
-from muon_optax._adamw import BACKENDS, AuxAdam
+from muon_optax import checkpoint  # Orbax is imported on first use
+from muon_optax._adamw.backends import BACKENDS, AuxAdam
+from muon_optax._adamw.convert import convert_adam_state
+from muon_optax._adamw.offload import offload_state
 from muon_optax._alias import adamuon, muon, normuon, scale_by_muon
-from muon_optax._convert import convert_adam_state
-from muon_optax._matrix_view import MatrixView, default_view
+from muon_optax._distributed.layouts import fsdp_shardings, state_shardings
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
-from muon_optax._offload import offload_state
-from muon_optax._newton_schulz import newton_schulz
-from muon_optax._ns_plan import newton_schulz_plan
-from muon_optax._ns_settings import PRESETS, NewtonSchulz
+from muon_optax._newton_schulz.iteration import newton_schulz
+from muon_optax._newton_schulz.plan import newton_schulz_plan
+from muon_optax._newton_schulz.settings import PRESETS, NewtonSchulz
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._qk_clip import qk_clip
-from muon_optax._name_rules import DEFAULT_RULES, label_params
-from muon_optax._routing import (Routing, describe,
-                                 newton_schulz_cost)
-from muon_optax._trace_routing import infer_routing
+from muon_optax._routing.describe import describe, newton_schulz_cost
+from muon_optax._routing.matrix_view import MatrixView, default_view
+from muon_optax._routing.name_rules import DEFAULT_RULES, label_params
+from muon_optax._routing.trace import infer_routing
+from muon_optax._routing.value import Routing
 from muon_optax._scaling import scale_by_dual_norm, scale_by_shape
 from muon_optax._second_moment import SecondMomentState, scale_by_second_moment
-from muon_optax._state_sharding import fsdp_shardings, state_shardings
-from muon_optax import checkpoint  # Orbax is imported on first use
-
-__version__ = "0.1.0"
+from muon_optax._version import __version__ as __version__
 
 
 def __getattr__(name):

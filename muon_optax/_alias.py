@@ -5,24 +5,26 @@ leaf through its own AdamW."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import jax
 import optax
 from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
-from muon_optax import _offload, _routing, _tree_fit, _validate
-from muon_optax._adamw import AuxAdam
+from muon_optax import _routing
+from muon_optax._adamw import offload
+from muon_optax._adamw.backends import AuxAdam
+from muon_optax._distributed.packed_gather import with_packed_gather
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
-from muon_optax._ns_settings import DEFAULT_NS, NS
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import orthogonalize
-from muon_optax._packed_gather import with_packed_gather
 from muon_optax._scaling import SCALES, scale_by_dual_norm, scale_by_shape
 from muon_optax._second_moment import scale_by_second_moment
+from muon_optax._util import tree_fit, validate
+from muon_optax._util.types import Mask, ScalarOrSchedule
 
-ScalarOrSchedule = Union[ArrayLike, Callable[[ArrayLike], ArrayLike]]
-Mask = Union[None, Any, Callable[[Any], Any]]
 ADAPTIVE = "adaptive"
 
 
@@ -91,16 +93,16 @@ def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: Scal
                     routing: Any, mesh: Optional[Mesh]) -> optax.GradientTransformationExtraArgs:
   """`direction` (+ decoupled weight decay, learning rate) for the leaves routed to Muon,
   AdamW for the others, zero for frozen ones: what every alias of the family shares."""
-  _validate.learning_rate("learning_rate", learning_rate)
-  _validate.weight_decay("weight_decay", weight_decay)
+  validate.learning_rate("learning_rate", learning_rate)
+  validate.weight_decay("weight_decay", weight_decay)
   routing = _routing.as_routing(routing)
   hidden = optax.chain(
       direction,
-      optax.add_decayed_weights(weight_decay, _tree_fit.branch_mask(weight_decay_mask)),
+      optax.add_decayed_weights(weight_decay, tree_fit.branch_mask(weight_decay_mask)),
       optax.scale_by_learning_rate(learning_rate),
   )
   if offload_momentum:
-    hidden = _offload.offload_state(hidden)
+    hidden = offload.offload_state(hidden)
   adam = _aux_branch(adam, adam_learning_rate)
   if mesh is not None:  # ZeRO-1: the AdamW updates gathered in one collective, not per leaf
     adam = with_packed_gather(adam)
@@ -114,13 +116,13 @@ def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: Scal
   inner = optax.partition(transforms, param_labels)
 
   def init_fn(params):
-    _tree_fit.check_mask("weight_decay_mask", weight_decay_mask, params)
-    return _offload.commit_like(inner.init(params), params)
+    tree_fit.check_mask("weight_decay_mask", weight_decay_mask, params)
+    return offload.commit_like(inner.init(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
     # Before labelling, so that a mismatch is named as one: against the params, or the
     # momentum, which mirrors them (with placeholders where other branches' leaves are).
-    _tree_fit.check_updates(updates, params if params is not None else _momentum_of(state))
+    tree_fit.check_updates(updates, params if params is not None else _momentum_of(state))
     return inner.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -138,7 +140,7 @@ def _aux_branch(adam: Union[AuxAdam, optax.GradientTransformation, None],
   adam = AuxAdam() if adam is None else adam
   if adam_learning_rate is None:
     return adam.transform() if isinstance(adam, AuxAdam) else adam
-  _validate.learning_rate("adam_learning_rate", adam_learning_rate)
+  validate.learning_rate("adam_learning_rate", adam_learning_rate)
   if not isinstance(adam, AuxAdam):
     raise ValueError("adam_learning_rate= applies to AuxAdam settings, not to a custom adam "
                      "transform: give that transform its own learning rate.")

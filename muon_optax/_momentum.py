@@ -8,7 +8,7 @@ import jax
 import optax
 from jax.typing import ArrayLike
 
-from muon_optax import _validate
+from muon_optax._util import validate
 
 
 class MuonMomentumState(NamedTuple):
@@ -43,8 +43,8 @@ def scale_by_muon_momentum(
     >>> round(float(u["w"][0, 0]), 6)  # 0.1 + 0.9 * 0.1
     0.19
   """
-  _validate.decay_rate("beta", beta)
-  mu_dtype = _validate.floating_dtype("mu_dtype", mu_dtype)
+  validate.decay_rate("beta", beta)
+  mu_dtype = validate.floating_dtype("mu_dtype", mu_dtype)
 
   def init_fn(params):
     return MuonMomentumState(mu=optax.tree.zeros_like(params, dtype=mu_dtype))

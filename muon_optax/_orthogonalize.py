@@ -3,32 +3,20 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from muon_optax import _paths
-from muon_optax._matrix_view import MatrixView, ViewFn
-from muon_optax._newton_schulz import newton_schulz, newton_schulz_column_parts
-from muon_optax._ns_settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
-from muon_optax._routing import as_routing
-from muon_optax._sharded_ns import sharded_solver
-
-
-def matrix_view_of(views: ViewFn, path: str, leaf: Any) -> MatrixView:
-  view = views(path, tuple(leaf.shape))
-  if view is None:
-    raise ValueError(
-        f"parameter {path!r} of shape {tuple(leaf.shape)} reached Muon but has no matrix "
-        "view; route it to 'adam' or pass views= to say how it is a matrix.")
-  if not jnp.issubdtype(leaf.dtype, jnp.floating):
-    raise ValueError(
-        f"parameter {path!r} reached Muon with dtype {leaf.dtype}; Muon needs real "
-        "floating updates. Route it to 'adam' or 'frozen'.")
-  return view
+from muon_optax._distributed.sharded_ns import sharded_solver
+from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
+from muon_optax._routing.matrix_view import MatrixView, ViewFn, matrix_view_of
+from muon_optax._routing.value import as_routing
+from muon_optax._util import paths
 
 
 class _Wide(NamedTuple):
@@ -78,13 +66,13 @@ def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any 
   """Sees every Muon leaf as a stack of wide matrices, orthogonalizes all of them with
   `solver`, and puts each result back in its leaf's layout. With `like` (the params),
   the solver also gets their stacks, whose layout the results should take."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_paths.is_masked)
-  views_of = {i: matrix_view_of(views, _paths.path_str(path), leaf)
-              for i, (path, leaf) in enumerate(flat) if not _paths.is_masked(leaf)}
+  flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
+  views_of = {i: matrix_view_of(views, paths.path_str(path), leaf)
+              for i, (path, leaf) in enumerate(flat) if not paths.is_masked(leaf)}
   # An empty matrix has no direction to orthogonalize: its update is zero (it is empty).
   wides = {i: _to_wide(flat[i][1], view) for i, view in views_of.items() if flat[i][1].size}
   stacks = [w.stack for w in wides.values()]
-  leaves = [] if like is None else jax.tree_util.tree_leaves(like, is_leaf=_paths.is_masked)
+  leaves = [] if like is None else jax.tree_util.tree_leaves(like, is_leaf=paths.is_masked)
   if like is not None and len(leaves) == len(flat) and all(
       getattr(leaves[i], "shape", None) == flat[i][1].shape for i in wides):
     results = solver(stacks, [_to_wide(leaves[i], w.view).stack for i, w in wides.items()])
@@ -112,7 +100,7 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
     mesh: the matrices are dealt over all its devices, balanced by flops, in one
       packed exchange there and one back; each is orthogonalized whole on one device,
       or (built-in iteration only) split by columns over idle devices when there are
-      fewer matrices than devices (see `muon_optax._sharded_ns`); results equal the
+      fewer matrices than devices (see `muon_optax._distributed.sharded_ns`); results equal the
       single-device ones.
 
   Returns:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from muon_optax import _paths
+from muon_optax._util import paths
 
 MAX_LOGITS = "max_logits"  # the name under which attention modules sow S_h
 
@@ -24,7 +25,7 @@ def collect_max_logits(tree: Any) -> dict[str, jax.Array]:
   once) gets the elementwise max of its entries.
   """
   out: dict[str, jax.Array] = {}
-  for path, leaf in _paths.leaves_with_path(tree):
+  for path, leaf in paths.leaves_with_path(tree):
     parts = path.split("/")
     if MAX_LOGITS in parts:
       path = "/".join(parts[:len(parts) - 1 - parts[::-1].index(MAX_LOGITS)])
@@ -184,9 +185,9 @@ def qk_clip(
           "qk_clip needs the per-head max logits: call update(updates, state, params, "
           "max_logits={attention module path: (heads,) array}), e.g. from "
           "muon_optax.nnx.max_logits(intermediates) of ClipAttention modules.")
-    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_paths.is_masked)
-    masked = {_paths.path_str(p) for p, x in flat if _paths.is_masked(x)}
-    param_of = dict(_paths.leaves_with_path(params))
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=paths.is_masked)
+    masked = {paths.path_str(p) for p, x in flat if paths.is_masked(x)}
+    param_of = dict(paths.leaves_with_path(params))
     found = _find_pairs(set(param_of), masked, pairs, alpha)
     if not found:
       raise ValueError(f"qk_clip found no query/key kernel pair in params with rules {pairs}.")
@@ -198,7 +199,7 @@ def qk_clip(
             f"path; modules with q/k kernels: {sorted(found)}.")
 
     new: dict[str, jax.Array] = {}
-    update_of = dict(_paths.leaves_with_path(updates))
+    update_of = dict(paths.leaves_with_path(updates))
     for module, leaves in found.items():
       if module not in logits:
         raise ValueError(
@@ -215,6 +216,6 @@ def qk_clip(
         factor = col(gamma ** leaf.exponent)
         target = factor * (p.astype(jnp.float32) + u.astype(jnp.float32))
         new[leaf.path] = jnp.where(col(clipped), (target - p).astype(u.dtype), u)
-    return _paths.map_with_path(lambda path, u: new.get(path, u), updates), state
+    return paths.map_with_path(lambda path, u: new.get(path, u), updates), state
 
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)

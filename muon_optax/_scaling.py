@@ -9,10 +9,10 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import optax
 
-from muon_optax import _paths
-from muon_optax._orthogonalize import matrix_view_of
-from muon_optax._routing import as_routing
-from muon_optax._state_sharding import explicit_spec, reshard_to
+from muon_optax._distributed.layouts import explicit_spec, reshard_to
+from muon_optax._routing.matrix_view import matrix_view_of
+from muon_optax._routing.value import as_routing
+from muon_optax._util import paths
 
 SCALES = ("jordan", "moonlight", None)
 
@@ -57,7 +57,7 @@ def scale_by_shape(scale: Optional[str] = "jordan", *, routing: Any = None
 
   def update_fn(updates, state, params=None):
     del params
-    return _paths.map_with_path(scale_leaf, updates), state
+    return paths.map_with_path(scale_leaf, updates), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
@@ -106,6 +106,6 @@ def scale_by_dual_norm(orthogonalizer: optax.GradientTransformation, *, routing:
 
   def update_fn(updates, state, params=None):
     orthogonal, state = orthogonalizer.update(updates, state, params)
-    return _paths.map_with_path(scale_leaf, orthogonal, updates), state
+    return paths.map_with_path(scale_leaf, orthogonal, updates), state
 
   return optax.GradientTransformation(orthogonalizer.init, update_fn)

@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from muon_optax import _paths, _validate
-from muon_optax._matrix_view import MatrixView
-from muon_optax._orthogonalize import matrix_view_of
-from muon_optax._routing import as_routing
-from muon_optax._state_sharding import explicit_spec, kept_spec, reshard_to
+from muon_optax._distributed.layouts import explicit_spec, kept_spec, reshard_to
+from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
+from muon_optax._routing.value import as_routing
+from muon_optax._util import paths, validate
 
 OVER = ("neurons", "elements")
 RESCALE = ("norm", "rms")
@@ -83,8 +82,8 @@ def scale_by_second_moment(
     raise ValueError(f"over must be one of {OVER}, got {over!r}.")
   if rescale not in RESCALE:
     raise ValueError(f"rescale must be one of {RESCALE}, got {rescale!r}.")
-  _validate.decay_rate("b2", b2)
-  _validate.positive("eps", eps)
+  validate.decay_rate("b2", b2)
+  validate.positive("eps", eps)
   views = as_routing(routing).view
 
   def init_leaf(path, p):
@@ -93,7 +92,7 @@ def scale_by_second_moment(
     return jnp.zeros(_statistic_shape(view, tuple(p.shape), over), dtype)
 
   def init_fn(params):
-    return SecondMomentState(jnp.zeros([], jnp.int32), _paths.map_with_path(init_leaf, params))
+    return SecondMomentState(jnp.zeros([], jnp.int32), paths.map_with_path(init_leaf, params))
 
   def update_leaf(path, o, v, count):
     if o.size == 0:  # no matrix to normalize: a zero update, an untouched statistic
@@ -122,10 +121,10 @@ def scale_by_second_moment(
   def update_fn(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_paths.is_masked)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
     out, nu = [], []
     for (path, o), v in zip(flat, treedef.flatten_up_to(state.nu)):
-      o, v = (o, v) if _paths.is_masked(o) else update_leaf(_paths.path_str(path), o, v, count)
+      o, v = (o, v) if paths.is_masked(o) else update_leaf(paths.path_str(path), o, v, count)
       out.append(o)
       nu.append(v)
     return treedef.unflatten(out), SecondMomentState(count, treedef.unflatten(nu))

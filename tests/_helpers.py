@@ -4,7 +4,7 @@ the float64 references and error bounds that Newton–Schulz tolerances come fro
 import jax
 import numpy as np
 
-import muon_optax as mo
+from muon_optax._newton_schulz.settings import as_newton_schulz
 
 
 def assert_trees_close(actual, expected, *, rtol: float, atol: float) -> None:
@@ -42,5 +42,5 @@ def float32_bound(ns="turbo"):
   steepest point), so steps · eps32 · ∏|a_k| bounds the relative Frobenius error of any
   float32 evaluation against float64 on any machine.
   """
-  coeffs = np.asarray(mo._ns_settings.as_newton_schulz(ns).coefficients())
+  coeffs = np.asarray(as_newton_schulz(ns).coefficients())
   return len(coeffs) * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))

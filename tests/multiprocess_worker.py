@@ -17,13 +17,13 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
                            process_id=process_id, initialization_timeout=60)
 
 import numpy as np  # noqa: E402
+from distributed_case import STEPS, grads_at, make_params, optimizer  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from distributed_case import STEPS, grads_at, make_params, optimizer  # noqa: E402
-
 import muon_optax as mo  # noqa: E402
+from muon_optax._util import paths  # noqa: E402
 
 
 def main():
@@ -42,7 +42,7 @@ def main():
     updates, state = step(place(grads_at(i, make_params())), state, params)
     params = jax.jit(lambda p, u: jax.tree.map(lambda a, b: a + b, p, u),
                      out_shardings=rep)(params, updates)
-  flat = {mo._paths.path_str(path): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  flat = {paths.path_str(path): np.asarray(multihost_utils.process_allgather(x, tiled=True))
           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
   if process_id == 0:
     np.savez(out, **flat)

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from adamw_case import MASK, adam_state, arm, hundred_steps, make_params, make_tx
 from _helpers import assert_trees_close
+from adamw_case import MASK, adam_state, arm, hundred_steps, make_params, make_tx
 
 import muon_optax as mo
-from muon_optax._adamw import OffloadAdamState
+from muon_optax._adamw.backends import OffloadAdamState
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 

@@ -8,6 +8,7 @@ import pytest
 from _helpers import assert_trees_close, float32_bound
 
 import muon_optax as mo
+from muon_optax._util import paths
 
 JORDAN = (3.4445, -4.7750, 2.0315)
 
@@ -77,7 +78,7 @@ class PlainMuonAdamW:
 
 
 def flat(tree):
-  return {k: np.asarray(v, np.float64) for k, v in mo._paths.leaves_with_path(tree)}
+  return {k: np.asarray(v, np.float64) for k, v in paths.leaves_with_path(tree)}
 
 
 def test_multi_step_equality_with_plain_reference():

@@ -6,8 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _helpers import assert_trees_close
-from checkpoint_case import (D, HIDDEN, VOCAB, assert_equal, fill, make_mesh, make_params,
-                             make_tx, run, trainer)
+from checkpoint_case import (
+  HIDDEN,
+  VOCAB,
+  D,
+  assert_equal,
+  fill,
+  make_mesh,
+  make_params,
+  make_tx,
+  run,
+  trainer,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -11,10 +11,17 @@ import zlib
 
 import numpy as np
 import pytest
-from checkpoint_case import (assert_equal, fill, kill_when_marked, make_params, make_tx,
-                             saved_at, tree_equal)
+from checkpoint_case import (
+  assert_equal,
+  fill,
+  kill_when_marked,
+  make_params,
+  make_tx,
+  saved_at,
+  tree_equal,
+)
 
-from muon_optax import _paths
+from muon_optax._util import paths
 from muon_optax.checkpoint import Checkpointer, CorruptCheckpointError, _files, abstract_target
 
 pytest.importorskip("orbax.checkpoint")
@@ -133,9 +140,9 @@ def test_flipped_bytes_of_an_array_file_are_detected(tmp_path, tree, where):
       unverified = ckpt.restore(params_target=target[0], opt_state_target=target[1], verify=False)
       assert not tree_equal(unverified._asdict()[tree], saved[tree])
   assert message.startswith(f"checkpoint step 7 in {tmp_path} is corrupted: ")
-  paths = dict(_paths.leaves_with_path(saved[tree]))
+  saved_paths = dict(paths.leaves_with_path(saved[tree]))
   named = re.findall(rf"{tree} leaf '([^']+)'", message)
-  assert named and set(named) <= set(paths), message
+  assert named and set(named) <= set(saved_paths), message
   store = tmp_path / "7" / tree
   assert str(store) in message
   if where == "start":

@@ -42,7 +42,8 @@ def test_every_difference_is_listed_up_to_a_readable_number():
   assert message.startswith(f"step 3 does not fit the restore target: {n} differences:")
   listed = [line for line in message.splitlines() if line.startswith("  parameter ")]
   assert len(listed) == _record.MAX_LISTED
-  assert listed[0] == "  parameter 'layer00/kernel' has shape (8, 8) in the checkpoint but (16, 16) in the target"
+  assert listed[0] == ("  parameter 'layer00/kernel' has shape (8, 8) in the checkpoint but "
+                       "(16, 16) in the target")
   assert message.endswith("\n  ... and 5 more")
 
 

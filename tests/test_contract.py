@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

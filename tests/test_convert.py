@@ -7,12 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from adamw_case import (D, HIDDEN, adam_state, arm, arms_step, make_params, make_tx, run_arms,
-                        three_steps)
 from _helpers import assert_trees_close
+from adamw_case import (
+  HIDDEN,
+  D,
+  adam_state,
+  arm,
+  arms_step,
+  make_params,
+  make_tx,
+  run_arms,
+  three_steps,
+)
 
 import muon_optax as mo
-from muon_optax._adamw import ReferenceAdamState
+from muon_optax._adamw.backends import ReferenceAdamState
 
 
 @pytest.mark.parametrize("source", mo.BACKENDS)

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
-from muon_optax._paths import leaves_with_path
+from muon_optax._util.paths import leaves_with_path
 
 EPS32 = np.finfo(np.float32).eps
 STEPS = 4

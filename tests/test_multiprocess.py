@@ -12,7 +12,7 @@ import optax
 import pytest
 from distributed_case import STEPS, grads_at, make_params, optimizer
 
-import muon_optax as mo
+from muon_optax._util import paths
 
 HERE = Path(__file__).parent
 
@@ -32,7 +32,7 @@ def single_device_run():
   for i in range(STEPS):
     updates, state = step(grads_at(i, make_params()), state, params)
     params = optax.apply_updates(params, updates)
-  return {path: np.asarray(x) for path, x in mo._paths.leaves_with_path(params)}
+  return {path: np.asarray(x) for path, x in paths.leaves_with_path(params)}
 
 
 def test_two_processes_match_one(tmp_path):

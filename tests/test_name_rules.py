@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import muon_optax as mo
-from muon_optax._paths import leaves_with_path
+from muon_optax._util.paths import leaves_with_path
 
 
 def labels_by_path(params, **kw):

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import float32_bound, polar, rel, singular_values
 
 import muon_optax as mo
-from _helpers import float32_bound, polar, rel, singular_values
-from muon_optax._newton_schulz import newton_schulz_column_parts
-from muon_optax._ns_plan import newton_schulz_flops, newton_schulz_plan
+from muon_optax._newton_schulz.iteration import newton_schulz_column_parts
+from muon_optax._newton_schulz.plan import newton_schulz_flops, newton_schulz_plan
 
 NS = mo.NewtonSchulz
 

@@ -6,12 +6,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import float32_bound, polar, rel, singular_values
 
 import muon_optax as mo
-from _helpers import float32_bound, polar, rel, singular_values
-from muon_optax._ns_plan import (
-    GRAM_MIN_ASPECT, GRAM_SEGMENT_STEPS, gram_flops, gram_restarts, newton_schulz_flops,
-    newton_schulz_plan, segments, use_gram)
+from muon_optax._newton_schulz.plan import (
+  GRAM_MIN_ASPECT,
+  GRAM_SEGMENT_STEPS,
+  gram_flops,
+  gram_restarts,
+  newton_schulz_flops,
+  newton_schulz_plan,
+  segments,
+  use_gram,
+)
 
 NS = mo.NewtonSchulz
 
@@ -38,7 +45,7 @@ def inputs(shape=(32, 128), seed=0):
           "ill-conditioned": with_spectrum(shape, 1e-6, seed=seed + 1)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ns_fn(ns, gram, compute_dtype="float32"):
   """One jitted function per setting, shared by the tests (compiling dominates their time)."""
   return jax.jit(lambda x: mo.newton_schulz(x, NS(ns, gram=gram, compute_dtype=compute_dtype)))

@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _helpers import assert_trees_close
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
-from _helpers import assert_trees_close
 from muon_optax.nnx import ClipAttention, head_max_logits, max_logit_attention, max_logits
 
 D, H, HD, L, B = 16, 4, 8, 6, 8
@@ -62,7 +63,8 @@ def test_max_logits_takes_the_max_over_repeated_calls():
 def test_max_logits_are_global_over_a_sharded_batch():
   mesh = jax.make_mesh((8,), ("data",))
   q, k = inputs(0, (2, B, L, H, HD))
-  q = q * np.arange(1, B + 1, dtype=np.float32)[:, None, None, None]  # the largest logits sit on the last shard
+  # The largest logits sit on the last shard.
+  q = q * np.arange(1, B + 1, dtype=np.float32)[:, None, None, None]
   mask = np.tril(np.ones((L, L), bool))
   expected = head_max_logits(q, k, mask)[1]
 

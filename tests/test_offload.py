@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from adamw_case import D, HIDDEN, adam_state, arm, hundred_steps, make_params
+from adamw_case import HIDDEN, D, adam_state, arm, hundred_steps, make_params
 
 import muon_optax as mo
 

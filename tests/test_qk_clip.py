@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from _helpers import assert_trees_close
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
-from _helpers import assert_trees_close
 
 D, H, HD, L, B = 16, 4, 8, 6, 8
 

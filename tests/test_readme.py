@@ -121,7 +121,6 @@ def test_with_nesterov_only_the_adam_leaves_match_optax(readme_run):
 def test_optax_nesterov_turns_its_adamw_branch_into_nadam():
   """The README's first difference, on optax alone: its adam leaves follow
   optax.adamw(nesterov=True), not plain AdamW."""
-  import jax
   import jax.numpy as jnp
   import optax
   import optax.contrib

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import float32_bound, rel
 from flax import nnx
+from gpt_model import GPT
 
 import muon_optax as mo
-from gpt_model import GPT
-from _helpers import float32_bound, rel
-from muon_optax._paths import leaves_with_path
+from muon_optax._util.paths import leaves_with_path
 
 
 def labels_by_path(params, **kw):

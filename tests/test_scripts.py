@@ -184,7 +184,8 @@ def test_distributed_compiles_both_layouts(tmp_path, capsys):
 def test_hlo_counts_the_collectives_of_a_saved_program(tmp_path):
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:2])
   x = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))

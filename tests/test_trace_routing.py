@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import float32_bound, rel
 from flax import nnx
+from gpt_model import GPT
 
 import muon_optax as mo
-from gpt_model import GPT
-from _helpers import float32_bound, rel
-from muon_optax._paths import leaves_with_path
+from muon_optax._util.paths import leaves_with_path
 
 V = mo.MatrixView
 JORDAN = (3.4445, -4.7750, 2.0315)

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from gpt_model import GPT
+from gpt_model import Block as GPTBlock
 
 import muon_optax as mo
-from gpt_model import GPT, Block as GPTBlock
-from muon_optax._paths import leaves_with_path
+from muon_optax._util.paths import leaves_with_path
 
 V = mo.MatrixView
 

@@ -95,8 +95,9 @@ def test_clip_attention_gpt_has_the_same_params_and_sows_max_logits():
   """`attention="clip"` (examples/qk_clip.py) changes only what the attention sows."""
   import jax
   import jax.numpy as jnp
-  import muon_optax as mo
   from flax import nnx
+
+  import muon_optax as mo
   from workload.gpt import GPT, GPTConfig
 
   cfg = GPTConfig(d_model=32, layers=2, heads=2, seq_len=16)
@@ -116,8 +117,9 @@ def test_clip_attention_gpt_has_the_same_params_and_sows_max_logits():
 
 def test_gpt_routing_sends_embeddings_and_head_to_adam():
   import jax
-  import muon_optax as mo
   from flax import nnx
+
+  import muon_optax as mo
   from workload.gpt import GPT, GPTConfig
 
   for tie in (False, True):

@@ -11,7 +11,8 @@ import dataclasses
 import hashlib
 import pathlib
 import sysconfig
-from typing import Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Optional, Union
 
 import numpy as np
 

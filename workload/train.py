@@ -7,14 +7,16 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import muon_optax as mo
@@ -41,12 +43,12 @@ def make_model(cfg: TrainConfig) -> GPT:
              rngs=nnx.Rngs(cfg.seed))
 
 
-def routing_of(model: nnx.Module, cfg: TrainConfig) -> "mo.Routing":
+def routing_of(model: nnx.Module, cfg: TrainConfig) -> mo.Routing:
   """Which parameters Muon updates, read from the model's computation on a token batch."""
   return mo.infer_routing(model, jnp.zeros((1, cfg.seq_len), jnp.int32))
 
 
-def make_optimizer(cfg: TrainConfig, routing: "mo.Routing",
+def make_optimizer(cfg: TrainConfig, routing: mo.Routing,
                    mesh: Optional[jax.sharding.Mesh] = None) -> optax.GradientTransformation:
   """A Muon-family optimizer (+ aux AdamW) or AdamW, clipped, on a warmup+cosine schedule.
 
@@ -111,7 +113,7 @@ def checkpointed(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any]
   return nnx.state(model, nnx.Param), {"step": optimizer.step, "opt_state": optimizer.opt_state}
 
 
-def restore_latest(ckpt: "mo.checkpoint.Checkpointer", model: nnx.Module,
+def restore_latest(ckpt: mo.checkpoint.Checkpointer, model: nnx.Module,
                    optimizer: nnx.Optimizer) -> int:
   """Loads the latest checkpoint into model and optimizer; returns its step (0: none)."""
   if ckpt.latest_step() is None:

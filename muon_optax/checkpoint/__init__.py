@@ -42,7 +42,11 @@ tampering. `restore(verify=False)` skips the checks.
 Orbax is imported on first use: `pip install orbax-checkpoint`.
 """
 
-from muon_optax.checkpoint._io import (Checkpointer, CorruptCheckpointError, Restored,
-                                       abstract_target)
+from muon_optax.checkpoint._io import (
+                                       Checkpointer,
+                                       CorruptCheckpointError,
+                                       Restored,
+                                       abstract_target,
+)
 
 __all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_target"]

@@ -13,14 +13,15 @@ benchmarks/checkpoint_io).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from muon_optax import _paths
+from muon_optax._util import paths
 
 ALGORITHM = "sum32-fmix32-v1"  # recorded with the checksums: a new scheme gets a new name
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
@@ -75,7 +76,7 @@ def checksums_of(trees: Sequence[Any]) -> list[dict[str, int]]:
   """`checksums` of each tree, all leaves dispatched before any result is read, so the
   devices hash them while the host queues the next. Every process of a multi-process
   job must call it (each sum is all-reduced across the devices that hold the array)."""
-  leaves = [_paths.leaves_with_path(tree) for tree in trees]
+  leaves = [paths.leaves_with_path(tree) for tree in trees]
   sums = jax.device_get([[_checksum(_in_device_memory(x)) for _, x in tree] for tree in leaves])
   return [{path: int(np.asarray(s)) for (path, _), s in zip(tree, tree_sums)}
           for tree, tree_sums in zip(leaves, sums)]

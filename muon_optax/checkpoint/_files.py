@@ -20,7 +20,8 @@ import re
 import shutil
 import uuid
 import zlib
-from typing import Iterable, NamedTuple, Optional
+from collections.abc import Iterable
+from typing import NamedTuple, Optional
 
 INVENTORY = "muon_optax_files.json"  # relative path -> [size, crc32 or None]
 TRASH = ".deleted"  # Orbax's `todelete_subdir`: steps renamed here are emptied by us

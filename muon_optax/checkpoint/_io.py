@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax import _routing
-from muon_optax._state_sharding import state_shardings
+from muon_optax._distributed.layouts import state_shardings
 from muon_optax.checkpoint import _checksum, _files, _record
 
 
@@ -334,7 +334,7 @@ class Checkpointer:
     if self._primary:
       _files.purge(self.directory)
 
-  def __enter__(self) -> "Checkpointer":
+  def __enter__(self) -> Checkpointer:
     return self
 
   def __exit__(self, *exc) -> None:

@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from muon_optax import _paths, _routing
-from muon_optax._adamw import REMOVED, STATE_TYPES
-from muon_optax._state_sharding import mirrored_param
+from muon_optax import _routing
+from muon_optax._adamw.backends import REMOVED, STATE_TYPES
+from muon_optax._distributed.layouts import mirrored_param
+from muon_optax._util import paths
+from muon_optax._version import __version__
 
 FORMAT = 1  # version of the JSON record; bumped on incompatible changes
 MAX_LISTED = 20  # differences listed in a mismatch error before "and N more"
@@ -25,7 +27,7 @@ _BACKEND_OF = {t: name for name, t in STATE_TYPES.items()}
 def leaves(tree: Any) -> dict[str, dict]:
   """'/'-joined path -> {"shape", "dtype"} of every array leaf."""
   out = {}
-  for path, x in _paths.leaves_with_path(tree):
+  for path, x in paths.leaves_with_path(tree):
     if path in out:
       raise ValueError(f"two leaves share the path {path!r}; checkpoint paths must be unique.")
     out[path] = {"shape": list(jnp.shape(x)), "dtype": jnp.dtype(jnp.result_type(x)).name}
@@ -36,7 +38,7 @@ def adam_states(state: Any) -> dict[str, str]:
   """Path -> backend name of every AdamW state inside `state`."""
   is_adam = lambda x: type(x) in _BACKEND_OF
   flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_adam)
-  return {_paths.path_str(p): _BACKEND_OF[type(x)] for p, x in flat if is_adam(x)}
+  return {paths.path_str(p): _BACKEND_OF[type(x)] for p, x in flat if is_adam(x)}
 
 
 def _partitions(state: Any) -> list[tuple[str, optax.PartitionState]]:
@@ -44,7 +46,7 @@ def _partitions(state: Any) -> list[tuple[str, optax.PartitionState]]:
   is_part = lambda x: (isinstance(x, optax.PartitionState)
                        and {_routing.MUON, _routing.ADAM} <= set(x.inner_states))
   flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_part)
-  return [(_paths.path_str(p), x) for p, x in flat if is_part(x)]
+  return [(paths.path_str(p), x) for p, x in flat if is_part(x)]
 
 
 def _check_labels_fit_state(labels: dict[str, str], params: dict, state: Any) -> None:
@@ -54,7 +56,7 @@ def _check_labels_fit_state(labels: dict[str, str], params: dict, state: Any) ->
   for _, part in _partitions(state):
     for branch, inner in part.inner_states.items():
       held = {mirrored_param(path, jnp.shape(x), shapes)
-              for path, x in _paths.leaves_with_path(inner)} - {None}
+              for path, x in paths.leaves_with_path(inner)} - {None}
       for name in params if held else ():  # a stateless branch: nothing to compare
         if (name in held) != (labels[name] == branch):
           raise ValueError(
@@ -70,13 +72,13 @@ def _routing_record(params: Any, state: Any, routing: _routing.Routing) -> Optio
     return None
   try:
     label_tree = routing.labels(params)
-    flat_labels = dict(_paths.leaves_with_path(label_tree))
+    flat_labels = dict(paths.leaves_with_path(label_tree))
   except ValueError as e:
     raise ValueError(
         f"{e} (Checkpointer(routing=...) must be the routing given to muon(...).)") from None
   _check_labels_fit_state(flat_labels, leaves(params), state)
   record = {}
-  for path, x in _paths.leaves_with_path(params):
+  for path, x in paths.leaves_with_path(params):
     view = routing.view(path, tuple(jnp.shape(x))) if flat_labels[path] == _routing.MUON else None
     if view is not None:
       view = {**view._asdict(), "matrices": view.describe(jnp.shape(x))}
@@ -87,7 +89,6 @@ def _routing_record(params: Any, state: Any, routing: _routing.Routing) -> Optio
 def record(params: Any, opt_state: Any, routing: _routing.Routing) -> dict:
   """The JSON record of (params, opt_state): shape and dtype per path, routing label and
   matrix view per parameter, AdamW backend per AdamW state, format and version."""
-  from muon_optax import __version__
   return {
       "format": FORMAT,
       "muon_optax_version": __version__,

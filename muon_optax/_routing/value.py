@@ -5,25 +5,30 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
 
-from muon_optax import _paths
-from muon_optax._matrix_view import MatrixView, ViewFn, view_fn
-from muon_optax._name_rules import (  # noqa: F401  (ADAM, FROZEN: for `_routing.X` users)
-    ADAM, DEFAULT_RULES, FROZEN, LABELS, MUON, NAME_RULES_CAVEAT, Rule, apply_rules,
-    check_rules)
-from muon_optax._ns_plan import newton_schulz_plan
-from muon_optax._ns_settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._routing.matrix_view import MatrixView, ViewFn, view_fn
+from muon_optax._routing.name_rules import (
+  DEFAULT_RULES,
+  FROZEN,
+  LABELS,
+  MUON,
+  Rule,
+  apply_rules,
+  check_rules,
+)
+from muon_optax._util import paths
 
 
 def expand_labels(label_tree: Any, params: Any) -> Any:
   """A label tree that is `params`' structure or a prefix of it (as `optax.partition`
   takes), spread to one label per leaf."""
   def spread(label, subtree):
-    return jax.tree.map(lambda _: label, subtree, is_leaf=_paths.is_masked)
+    return jax.tree.map(lambda _: label, subtree, is_leaf=paths.is_masked)
 
   try:
     return jax.tree.map(spread, label_tree, params)
@@ -69,14 +74,14 @@ class Routing:
 
   @classmethod
   def from_rules(cls, rules: Optional[Sequence[Rule]] = None, *, views: Optional[ViewFn] = None,
-                 per_head: bool = False) -> "Routing":
+                 per_head: bool = False) -> Routing:
     """Name rules ((regex, label) pairs or callables, first match wins; None: `DEFAULT_RULES`)."""
     return cls(rules=DEFAULT_RULES if rules is None else check_rules(rules), views=views,
                per_head=per_head)
 
   @classmethod
   def from_labels(cls, labels: Any, *, views: Optional[ViewFn] = None,
-                  per_head: bool = False) -> "Routing":
+                  per_head: bool = False) -> Routing:
     """A label pytree (or a prefix of one), or a callable params -> label pytree."""
     return cls(label_source=labels, views=views, per_head=per_head)
 
@@ -122,13 +127,13 @@ class Routing:
 
   def decide(self, params: Any) -> list[tuple[str, Any, Decision]]:
     """(path, leaf, Decision) of every leaf of `params`, in tree order."""
-    pairs = _paths.leaves_with_path(params)
+    pairs = paths.leaves_with_path(params)
     if self.decisions is not None:
       return [(p, x, self._decision(p, x)) for p, x in pairs]
     if self.rules is not None:
       found = [apply_rules(self.rules, p, x) for p, x in pairs]
     else:
-      found = [(l, "given label") for _, l in _paths.leaves_with_path(self._given(params))]
+      found = [(l, "given label") for _, l in paths.leaves_with_path(self._given(params))]
     views = view_fn(self.views, self.per_head)
     return [(p, x, Decision(l, views(p, tuple(np.shape(x))) if l == MUON else None, why))
             for (p, x), (l, why) in zip(pairs, found)]
@@ -136,9 +141,9 @@ class Routing:
   def labels(self, params: Any) -> Any:
     """The label pytree of `params` ("muon", "adam" or "frozen" per leaf)."""
     if self.decisions is not None:
-      return _paths.map_with_path(lambda p, x: self._decision(p, x).label, params)
+      return paths.map_with_path(lambda p, x: self._decision(p, x).label, params)
     if self.rules is not None:
-      return _paths.map_with_path(lambda p, x: apply_rules(self.rules, p, x)[0], params)
+      return paths.map_with_path(lambda p, x: apply_rules(self.rules, p, x)[0], params)
     return self._given(params)
 
   def view(self, path: str, shape: tuple[int, ...]) -> Optional[MatrixView]:
@@ -152,6 +157,7 @@ class Routing:
     if self.decisions is None:
       return repr(self)
     shapes = {p: jax.ShapeDtypeStruct(s, np.float32) for p, (s, _) in self.decisions.items()}
+    from muon_optax._routing.describe import describe  # describe reads Routing values
     return describe(shapes, routing=self)
 
 
@@ -192,89 +198,4 @@ def check_leaf(path: str, leaf: Any, label: Any, views: ViewFn, known: Sequence[
 def check_labels(label_tree: Any, params: Any, views: ViewFn, known: Sequence[str]) -> None:
   """Raises a ValueError naming the path of the first leaf that cannot be updated as labelled."""
   label_tree = expand_labels(label_tree, params)
-  _paths.map_with_path(lambda p, x, l: check_leaf(p, x, l, views, known), params, label_tree)
-
-
-def _rows(params: Any, routing: Routing, ns: NS, backend: Optional[str]) -> list[tuple]:
-  """(path, shape, label, matrix view, Newton–Schulz plan or None, flops, reason) of
-  every leaf; the plan is what `newton_schulz` runs with `ns` on `backend`."""
-  ns = as_newton_schulz(ns)
-  rows = []
-  for path, leaf, decision in routing.decide(params):
-    check_leaf(path, leaf, decision.label, routing.view, LABELS)
-    shape = tuple(np.shape(leaf))
-    view, plan, flops = "", None, 0
-    if decision.label == MUON:
-      v = routing.view(path, shape)
-      count, fan_in, fan_out = v.matrix_shape(shape)
-      if ns.fn is None:
-        plan = newton_schulz_plan((fan_in, fan_out), ns, backend=backend)
-        flops = count * plan.flops
-      view = v.describe(shape)
-    rows.append((path, shape, decision.label, view, plan, flops, decision.reason))
-  return rows
-
-
-def newton_schulz_cost(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
-                       backend: Optional[str] = None) -> int:
-  """Newton–Schulz matmul flops of one Muon update of `params` (the total `describe`
-  prints), with the `routing=` and `ns=` given to `muon`, on `backend` (default: jax's).
-
-  Example:
-    >>> import jax.numpy as jnp, muon_optax as mo
-    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}, ns=mo.NewtonSchulz("jordan", gram=False))
-    3200
-  """
-  return sum(row[5] for row in _rows(params, as_routing(routing), ns, backend))
-
-
-def describe(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
-             backend: Optional[str] = None) -> str:
-  """The routing table: path, shape, label, matrix view, the Newton–Schulz variant that
-  will run and its flops, and why, per leaf; then totals and the Newton–Schulz settings.
-
-  Args:
-    params: the params pytree (arrays or `jax.ShapeDtypeStruct`s).
-    routing, ns: as given to `muon`.
-    backend: "cpu", "gpu" or "tpu", to resolve "auto" settings for; default: jax's.
-
-  Example:
-    >>> import jax.numpy as jnp, muon_optax as mo
-    >>> print(mo.describe({"w": jnp.ones((4, 8)), "b": jnp.ones(8)}, backend="cpu"))
-    path  shape  label  matrix view  NS    NS flops  why
-    ----  -----  -----  -----------  ----  --------  -------------
-    b     8      adam                                rank < 2
-    w     4×8    muon   4×8          gram  2,304     name → weight
-    <BLANKLINE>
-    adam: 8 parameters
-    muon: 32 parameters, 2,304 Newton–Schulz flops per step
-    Newton–Schulz: 4 steps, aol scaling, float32 operands with float32 accumulation, ...
-  """
-  routing = as_routing(routing)
-  rows, totals = [], {}
-  plans = []
-  for path, shape, label, view, plan, flops, why in _rows(params, routing, ns, backend):
-    n, f = totals.get(label, (0, 0))
-    totals[label] = (n + int(np.prod(shape)), f + flops)
-    plans += [plan] if plan else []
-    variant = plan.variant if plan else ("custom" if view else "")
-    rows.append((path, "×".join(map(str, shape)) or "()", label, view, variant,
-                 f"{flops:,}" if flops else "", why))
-  header = ("path", "shape", "label", "matrix view", "NS", "NS flops", "why")
-  widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-  fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-  lines = [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
-  lines.append("")
-  for label, (n, f) in sorted(totals.items()):
-    flops = f", {f:,} Newton–Schulz flops per step" if f else ""
-    lines.append(f"{label}: {n:,} parameters{flops}")
-  if plans:
-    p = plans[0]
-    lines.append(f"Newton–Schulz: {p.steps} steps, {p.precondition} scaling, "
-                 f"{p.compute_dtype} operands with float32 accumulation, precision "
-                 f"{p.precision}; NS is the standard or Gram-space iteration per shape.")
-  elif as_newton_schulz(ns).fn is not None:
-    lines.append("Newton–Schulz: a custom function (NewtonSchulz(fn=...)).")
-  if routing.rules is not None:
-    lines.append(NAME_RULES_CAVEAT)
-  return "\n".join(lines)
+  paths.map_with_path(lambda p, x, l: check_leaf(p, x, l, views, known), params, label_tree)

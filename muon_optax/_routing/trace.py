@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
-from muon_optax import _paths
-from muon_optax._jaxpr_uses import Track, Use, Walker
-from muon_optax._matrix_view import MatrixView, ViewFn, default_view
-from muon_optax._name_rules import ADAM, FROZEN, MUON, Rule, check_rules, first_match
-from muon_optax._routing import Decision, Routing
+from muon_optax._routing.jaxpr_uses import Track, Use, Walker
+from muon_optax._routing.matrix_view import MatrixView, ViewFn, default_view
+from muon_optax._routing.name_rules import ADAM, FROZEN, MUON, Rule, check_rules, first_match
+from muon_optax._routing.value import Decision, Routing
+from muon_optax._util import paths
 
 
 def _per_head(view: MatrixView) -> MatrixView:
@@ -110,7 +111,7 @@ def _split_call(f, args) -> tuple[Callable[..., Any], Any, tuple]:
     raise ValueError(f"infer_routing's f must be callable, got a {type(f).__name__}; pass a "
                      "function f(params, *args) (for haiku: lambda p, x: model.apply(p, None, "
                      "x)), an nnx.Module or an equinox Module.")
-  held = [p for p, x in _paths.leaves_with_path(f) if x is not f and _is_array(x)]
+  held = [p for p, x in paths.leaves_with_path(f) if x is not f and _is_array(x)]
   if held:
     raise ValueError(f"f holds arrays of its own (at {held[:3]}), which would not be routed; "
                      "pass them as the params: infer_routing(f, params, *args).")
@@ -121,7 +122,7 @@ def _split_call(f, args) -> tuple[Callable[..., Any], Any, tuple]:
 
 def _check_params(params) -> None:
   """A clear error for params that are not a pytree of arrays."""
-  leaves = _paths.leaves_with_path(params)
+  leaves = paths.leaves_with_path(params)
   for path, x in leaves:
     if not (_is_array(x) or isinstance(x, (bool, int, float, complex))):
       where = f"the leaf at {path!r}" if path else "params itself"
@@ -259,7 +260,7 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
   overrides = check_rules(overrides)
   fn, params, args = _split_call(f, args)
   _check_params(params)
-  leaves = _paths.leaves_with_path(params)
+  leaves = paths.leaves_with_path(params)
   closed, names, picked = _trace(fn, params, args, kwargs, output)
   shapes = [tuple(np.shape(x)) for _, x in leaves]
   n = len(shapes)

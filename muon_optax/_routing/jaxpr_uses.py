@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 import jax.extend.core as jcore
 
-from muon_optax._matrix_view import MatrixView
+from muon_optax._routing.matrix_view import MatrixView
 
 
 class Track(NamedTuple):

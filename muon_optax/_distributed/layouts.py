@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
 
 import jax
 import numpy as np
@@ -10,8 +11,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax import _paths
-
+from muon_optax._util import paths
 
 DataAxis = Union[str, Sequence[str]]
 
@@ -34,7 +34,7 @@ def data_axes(mesh: Mesh, data_axis: DataAxis) -> tuple[str, ...]:
 def _param_specs(params: Any, mesh: Mesh) -> dict[str, P]:
   """PartitionSpec of every param that carries a NamedSharding on `mesh`, by path."""
   specs = {}
-  for path, leaf in _paths.leaves_with_path(params):
+  for path, leaf in paths.leaves_with_path(params):
     sharding = getattr(leaf, "sharding", None)
     if isinstance(sharding, NamedSharding):
       if sharding.mesh.shape != mesh.shape or sharding.mesh.axis_names != mesh.axis_names:
@@ -127,7 +127,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
   """
   axes = data_axes(mesh, data_axis)
   param_specs = _param_specs(params, mesh)
-  param_shapes = {p: tuple(np.shape(x)) for p, x in _paths.leaves_with_path(params)}
+  param_shapes = {p: tuple(np.shape(x)) for p, x in paths.leaves_with_path(params)}
   abstract = jax.eval_shape(tx.init, params)
 
   def sharding(path: str, leaf: Any) -> NamedSharding:
@@ -136,7 +136,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     spec = P() if param is None else kept_spec(param_specs.get(param, P()), shape)
     return NamedSharding(mesh, _add_data_axis(shape, spec, mesh, axes))
 
-  return _paths.map_with_path(sharding, abstract)
+  return paths.map_with_path(sharding, abstract)
 
 
 def kept_spec(spec: P, shape: tuple[int, ...]) -> P:
@@ -158,7 +158,7 @@ def fsdp_shardings(params: Any, mesh: Mesh, data_axis: DataAxis = "data") -> Any
     >>> params = jax.device_put(params, shardings)
   """
   axes = data_axes(mesh, data_axis)
-  return _paths.map_with_path(
+  return paths.map_with_path(
       lambda path, x: NamedSharding(mesh, _add_data_axis(tuple(np.shape(x)), P(), mesh, axes)),
       params)
 

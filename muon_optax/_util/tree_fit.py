@@ -8,12 +8,12 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from muon_optax import _paths
+from muon_optax._util import paths
 
 
 def _leaf_paths(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_paths.is_masked)
-  return [(tuple(_paths.key_name(k) for k in path), x) for path, x in flat]
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=paths.is_masked)
+  return [(tuple(paths.key_name(k) for k in path), x) for path, x in flat]
 
 
 def _show(path: tuple[str, ...]) -> str:
@@ -41,7 +41,7 @@ def branch_mask(mask: Any) -> Any:
   if mask is None or callable(mask):
     return mask
   return lambda params: jax.tree.map(
-      lambda m, p: p if _paths.is_masked(p) else m, mask, params, is_leaf=_paths.is_masked)
+      lambda m, p: p if paths.is_masked(p) else m, mask, params, is_leaf=paths.is_masked)
 
 
 def check_mask(name: str, mask: Any, params: Any) -> None:
@@ -73,7 +73,7 @@ def check_updates(updates: Any, params: Any) -> None:
         f"{len(got)} leaves vs {type(params).__name__} of {len(want)}): {detail}. Pass "
         "gradients with the params' structure, e.g. from jax.grad of a function of them.")
   for (path, g), (_, p) in zip(got, want):
-    if _paths.is_masked(g) or _paths.is_masked(p):
+    if paths.is_masked(g) or paths.is_masked(p):
       continue
     if np.shape(g) != np.shape(p):
       raise ValueError(f"the gradient of {_show(path)} has shape {np.shape(g)} but the "

@@ -18,17 +18,17 @@ one restores under another.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from muon_optax import _offload, _paths, _tree_fit, _validate
-
-ScalarOrSchedule = Union[ArrayLike, Callable[[ArrayLike], ArrayLike]]
-Mask = Union[None, Any, Callable[[Any], Any]]
+from muon_optax._adamw import offload
+from muon_optax._util import paths, tree_fit, validate
+from muon_optax._util.types import Mask, ScalarOrSchedule
 
 BACKENDS = ("optax", "offload", "reference")
 # Backends of earlier releases, and what to use instead.
@@ -162,12 +162,12 @@ class AuxAdam:
   backend: str = "optax"
 
   def __post_init__(self):
-    _validate.learning_rate("AuxAdam learning_rate", self.learning_rate)
-    _validate.decay_rate("AuxAdam b1", self.b1)
-    _validate.decay_rate("AuxAdam b2", self.b2)
-    _validate.positive("AuxAdam eps", self.eps)
-    _validate.weight_decay("AuxAdam weight_decay", self.weight_decay)
-    object.__setattr__(self, "mu_dtype", _validate.floating_dtype("AuxAdam mu_dtype",
+    validate.learning_rate("AuxAdam learning_rate", self.learning_rate)
+    validate.decay_rate("AuxAdam b1", self.b1)
+    validate.decay_rate("AuxAdam b2", self.b2)
+    validate.positive("AuxAdam eps", self.eps)
+    validate.weight_decay("AuxAdam weight_decay", self.weight_decay)
+    object.__setattr__(self, "mu_dtype", validate.floating_dtype("AuxAdam mu_dtype",
                                                                   self.mu_dtype))
     check_backend(self.backend)
 
@@ -175,14 +175,14 @@ class AuxAdam:
     """AdamW with these settings; its state is the backend's NamedTuple. The mask is
     checked against the params at init; `optax.MaskedNode` leaves (an `optax.partition`
     branch's placeholders for other branches' leaves) are skipped."""
-    mask = _tree_fit.branch_mask(self.mask)  # a full-params mask, inside a branch too
+    mask = tree_fit.branch_mask(self.mask)  # a full-params mask, inside a branch too
     tx = _build(dict(learning_rate=self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
                      weight_decay=self.weight_decay, mask=mask, nesterov=self.nesterov,
                      mu_dtype=self.mu_dtype), self.backend)
 
     def init_fn(params):
-      _tree_fit.check_mask("the AuxAdam mask", self.mask, params)
-      return _offload.commit_like(tx.init(params), params)
+      tree_fit.check_mask("the AuxAdam mask", self.mask, params)
+      return offload.commit_like(tx.init(params), params)
 
     return optax.GradientTransformation(init_fn, tx.update)
 
@@ -191,7 +191,7 @@ def _build(hp: dict, backend: str) -> optax.GradientTransformation:
   if backend == "optax":
     return _optax_backend(hp)
   if backend == "offload":
-    return _offload.offload_state(_written_out(hp, "offload"))
+    return offload.offload_state(_written_out(hp, "offload"))
   return _written_out(hp, "reference")
 
 
@@ -227,8 +227,8 @@ def _decay_flags(mask: Mask, tree: Any) -> Any:
     return jax.tree.map(lambda _: True, tree)
   mask_tree = mask(tree) if callable(mask) else mask
   # Broadcast a prefix mask over the subtrees it stands for.
-  full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub, is_leaf=_paths.is_masked),
-                      mask_tree, tree, is_leaf=_paths.is_masked)
+  full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub, is_leaf=paths.is_masked),
+                      mask_tree, tree, is_leaf=paths.is_masked)
 
   def as_bool(m):
     try:

@@ -4,12 +4,13 @@ is not traced (see `infer_routing`)."""
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax import _paths
+from muon_optax._util import paths
 
 MUON, ADAM, FROZEN = "muon", "adam", "frozen"
 LABELS = (MUON, ADAM, FROZEN)
@@ -51,12 +52,12 @@ def rule_reason(path: str, leaf: Any) -> tuple[Optional[str], str]:
 
 
 def default_rule(path: str, leaf: Any) -> Optional[str]:
-  """The default routing by name: integer and bool leaves → "frozen"; rank < 2, biases, norms (scale, norm, ln_f, LayerNorm_0,
-  ...), embeddings (embedding, wte, tok_embeddings, ...) and heads (lm_head, head,
-  classifier, unembed, ...) → "adam"; kernel / weight / w* of rank ≥ 2 → "muon"; else
-  None, so that a surprise is an error. Whole path components of the leaf or its module
-  are matched. A head named like a hidden layer (Dense_2, out) goes to Muon: use
-  `infer_routing`, which sees it."""
+  """The default routing by name: integer and bool leaves → "frozen"; rank < 2, biases,
+  norms (scale, norm, ln_f, LayerNorm_0, ...), embeddings (embedding, wte, tok_embeddings,
+  ...) and heads (lm_head, head, classifier, unembed, ...) → "adam"; kernel / weight / w* of
+  rank ≥ 2 → "muon"; else None, so that a surprise is an error. Whole path components of the
+  leaf or its module are matched. A head named like a hidden layer (Dense_2, out) goes to
+  Muon: use `infer_routing`, which sees it."""
   return rule_reason(path, leaf)[0]
 
 
@@ -121,4 +122,4 @@ def label_params(params: Any, rules: Optional[Sequence[Rule]] = None) -> Any:
     {'mlp': {'bias': 'adam', 'kernel': 'muon'}}
   """
   rules = DEFAULT_RULES if rules is None else check_rules(rules)
-  return _paths.map_with_path(lambda p, x: apply_rules(rules, p, x)[0], params)
+  return paths.map_with_path(lambda p, x: apply_rules(rules, p, x)[0], params)

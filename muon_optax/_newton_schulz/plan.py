@@ -3,13 +3,14 @@ Gram-space one restarts, the flops, and `newton_schulz_plan`, which says it all.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax._ns_settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
 
 # Gram-space iteration: the m×m state is rebuilt from X before some steps (0-based).
 # Nothing in Gram space corrects rounding, where the standard iteration, contracting

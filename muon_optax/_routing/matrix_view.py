@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ class MatrixView(NamedTuple):
   fan_in: tuple[int, ...]
   fan_out: tuple[int, ...]
 
-  def normalize(self, rank: int) -> "MatrixView":
+  def normalize(self, rank: int) -> MatrixView:
     """The same view with every axis in [0, rank); a ValueError unless the axes
     are a permutation of the leaf's axes."""
     fix = lambda axes: tuple(int(a) % rank if -rank <= a < rank else a for a in axes)
@@ -97,3 +98,16 @@ def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -
 def view_fn(views: Optional[ViewFn], per_head: bool) -> ViewFn:
   """The user's view function, or the default one with `per_head`."""
   return views or (lambda path, shape: default_view(path, shape, per_head=per_head))
+
+
+def matrix_view_of(views: ViewFn, path: str, leaf: Any) -> MatrixView:
+  view = views(path, tuple(leaf.shape))
+  if view is None:
+    raise ValueError(
+        f"parameter {path!r} of shape {tuple(leaf.shape)} reached Muon but has no matrix "
+        "view; route it to 'adam' or pass views= to say how it is a matrix.")
+  if not jnp.issubdtype(leaf.dtype, jnp.floating):
+    raise ValueError(
+        f"parameter {path!r} reached Muon with dtype {leaf.dtype}; Muon needs real "
+        "floating updates. Route it to 'adam' or 'frozen'.")
+  return view

@@ -4,7 +4,8 @@ says how the iteration runs, checked when it is built."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp

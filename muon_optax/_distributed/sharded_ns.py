@@ -23,7 +23,8 @@ The exchange is a `custom_partitioning` op, so it sees the layouts XLA chose:
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +33,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._ns_plan import newton_schulz_plan
-from muon_optax._ns_settings import DEFAULT_NS, NewtonSchulz
-from muon_optax._state_sharding import is_explicit, spec_axes
+from muon_optax._distributed.layouts import is_explicit, spec_axes
+from muon_optax._newton_schulz.plan import newton_schulz_plan
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
 SplitOk = Callable[[Item, int], bool]

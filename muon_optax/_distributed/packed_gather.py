@@ -20,7 +20,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._state_sharding import explicit_spec, spec_axes
+from muon_optax._distributed.layouts import explicit_spec, spec_axes
 
 
 def _blocks(spec: P, shape: tuple[int, ...], mesh: Mesh):
@@ -98,7 +98,7 @@ def with_packed_gather(inner: optax.GradientTransformation) -> optax.GradientTra
 
   Example:
     >>> import muon_optax as mo
-    >>> from muon_optax._packed_gather import with_packed_gather
+    >>> from muon_optax._distributed.packed_gather import with_packed_gather
     >>> tx = mo.muon(0.02, adam=with_packed_gather(mo.AuxAdam(1e-3).transform()))
   """
   inner = optax.with_extra_args_support(inner)

@@ -7,9 +7,15 @@ from typing import Any
 import jax
 import optax
 
-from muon_optax import _offload, _paths
-from muon_optax._adamw import (STATE_TYPES, OffloadAdamState, check_backend, describe_state,
-                               is_removed_layout)
+from muon_optax._adamw import offload
+from muon_optax._adamw.backends import (
+  STATE_TYPES,
+  OffloadAdamState,
+  check_backend,
+  describe_state,
+  is_removed_layout,
+)
+from muon_optax._util import paths
 
 _FIELDS = ("count", "mu", "nu")
 
@@ -101,19 +107,19 @@ def _convert_one(state: Any, params: Any, backend: str, where: str) -> Any:
   for field in ("mu", "nu"):
     _check_mirrors(getattr(state, field), params, f"{where}.{field}")
   if backend == "offload":
-    _offload.check_host_memory()
-    return _offload.commit_scalars(
-        OffloadAdamState(state.count, _offload.to_host(state.mu), _offload.to_host(state.nu)))
-  mu, nu = _offload.to_device(state.mu), _offload.to_device(state.nu)
+    offload.check_host_memory()
+    return offload.commit_scalars(
+        OffloadAdamState(state.count, offload.to_host(state.mu), offload.to_host(state.nu)))
+  mu, nu = offload.to_device(state.mu), offload.to_device(state.nu)
   return STATE_TYPES[backend](state.count, mu, nu)
 
 
 def _check_mirrors(moment: Any, params: Any, where: str) -> None:
   """Each moment leaf is a MaskedNode or has the shape of the parameter at its place."""
-  m_leaves, m_def = jax.tree.flatten(moment, is_leaf=_paths.is_masked)
-  p_leaves, p_def = jax.tree.flatten(params, is_leaf=_paths.is_masked)
+  m_leaves, m_def = jax.tree.flatten(moment, is_leaf=paths.is_masked)
+  p_leaves, p_def = jax.tree.flatten(params, is_leaf=paths.is_masked)
   fits = m_def == p_def and all(
-      _paths.is_masked(m) or jax.numpy.shape(m) == jax.numpy.shape(p)
+      paths.is_masked(m) or jax.numpy.shape(m) == jax.numpy.shape(p)
       for m, p in zip(m_leaves, p_leaves))
   if not fits:
     raise ValueError(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from muon_optax._ns_plan import newton_schulz_plan
-from muon_optax._ns_settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
+from muon_optax._newton_schulz.plan import newton_schulz_plan
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
 
 
 def _t(x):
@@ -67,11 +67,12 @@ def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, reduce: Reduce = _whole):
   With R_k = X_k X_kᵀ and P_k = a I + b R_k + c R_k², one step is X_{k+1} = P_k X_k,
   so Q_{k+1} = P_k Q_k and R_{k+1} = P_k R_k P_k = P_k (P_k R_k) (P_k and R_k commute).
   Only R_0 = X_0 X_0ᵀ and the final Q X touch the m×n matrix. At the start of each of
-  the (start, stop) `parts` but the first, the state is rebuilt (X ← Q X, R ← X Xᵀ, Q ← I): rounding in R is
-  otherwise amplified by ∏ a_k. The m×m products use float32 operands whatever the
+  the (start, stop) `parts` but the first, the state is rebuilt (X ← Q X, R ← X Xᵀ,
+  Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products use float32 operands whatever the
   compute dtype. Q is kept as α I + D so that α X is applied exactly, in float32.
   """
   eye = jnp.eye(x.shape[-2], dtype=jnp.float32)
+  alpha, d = 1.0, None  # Q = α I + D, set by the first step of the first segment
   for start, stop in parts:
     if start:
       x = alpha * x + mm(d, x)

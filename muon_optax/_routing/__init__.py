@@ -1,0 +1,10 @@
+"""Routing: which leaves Muon updates and as which matrices. Name rules, matrix views,
+the `Routing` value, the jaxpr trace behind `infer_routing`, and `describe`.
+
+May import `_util` and `_newton_schulz` (for the flops `describe` prints).
+"""
+
+from muon_optax._routing.name_rules import ADAM, FROZEN, MUON
+from muon_optax._routing.value import Routing, as_routing, check_labels
+
+__all__ = ["ADAM", "FROZEN", "MUON", "Routing", "as_routing", "check_labels"]

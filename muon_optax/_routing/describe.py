@@ -1,0 +1,97 @@
+"""`describe` and `newton_schulz_cost`: the routing table and the Newton–Schulz work it implies."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from muon_optax._newton_schulz.plan import newton_schulz_plan
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._routing.name_rules import LABELS, MUON, NAME_RULES_CAVEAT
+from muon_optax._routing.value import Routing, as_routing, check_leaf
+
+
+def _rows(params: Any, routing: Routing, ns: NS, backend: Optional[str]) -> list[tuple]:
+  """(path, shape, label, matrix view, Newton–Schulz plan or None, flops, reason) of
+  every leaf; the plan is what `newton_schulz` runs with `ns` on `backend`."""
+  ns = as_newton_schulz(ns)
+  rows = []
+  for path, leaf, decision in routing.decide(params):
+    check_leaf(path, leaf, decision.label, routing.view, LABELS)
+    shape = tuple(np.shape(leaf))
+    view, plan, flops = "", None, 0
+    if decision.label == MUON:
+      v = routing.view(path, shape)
+      count, fan_in, fan_out = v.matrix_shape(shape)
+      if ns.fn is None:
+        plan = newton_schulz_plan((fan_in, fan_out), ns, backend=backend)
+        flops = count * plan.flops
+      view = v.describe(shape)
+    rows.append((path, shape, decision.label, view, plan, flops, decision.reason))
+  return rows
+
+
+def newton_schulz_cost(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
+                       backend: Optional[str] = None) -> int:
+  """Newton–Schulz matmul flops of one Muon update of `params` (the total `describe`
+  prints), with the `routing=` and `ns=` given to `muon`, on `backend` (default: jax's).
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}, ns=mo.NewtonSchulz("jordan", gram=False))
+    3200
+  """
+  return sum(row[5] for row in _rows(params, as_routing(routing), ns, backend))
+
+
+def describe(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
+             backend: Optional[str] = None) -> str:
+  """The routing table: path, shape, label, matrix view, the Newton–Schulz variant that
+  will run and its flops, and why, per leaf; then totals and the Newton–Schulz settings.
+
+  Args:
+    params: the params pytree (arrays or `jax.ShapeDtypeStruct`s).
+    routing, ns: as given to `muon`.
+    backend: "cpu", "gpu" or "tpu", to resolve "auto" settings for; default: jax's.
+
+  Example:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> print(mo.describe({"w": jnp.ones((4, 8)), "b": jnp.ones(8)}, backend="cpu"))
+    path  shape  label  matrix view  NS    NS flops  why
+    ----  -----  -----  -----------  ----  --------  -------------
+    b     8      adam                                rank < 2
+    w     4×8    muon   4×8          gram  2,304     name → weight
+    <BLANKLINE>
+    adam: 8 parameters
+    muon: 32 parameters, 2,304 Newton–Schulz flops per step
+    Newton–Schulz: 4 steps, aol scaling, float32 operands with float32 accumulation, ...
+  """
+  routing = as_routing(routing)
+  rows, totals = [], {}
+  plans = []
+  for path, shape, label, view, plan, flops, why in _rows(params, routing, ns, backend):
+    n, f = totals.get(label, (0, 0))
+    totals[label] = (n + int(np.prod(shape)), f + flops)
+    plans += [plan] if plan else []
+    variant = plan.variant if plan else ("custom" if view else "")
+    rows.append((path, "×".join(map(str, shape)) or "()", label, view, variant,
+                 f"{flops:,}" if flops else "", why))
+  header = ("path", "shape", "label", "matrix view", "NS", "NS flops", "why")
+  widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+  fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+  lines = [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
+  lines.append("")
+  for label, (n, f) in sorted(totals.items()):
+    flops = f", {f:,} Newton–Schulz flops per step" if f else ""
+    lines.append(f"{label}: {n:,} parameters{flops}")
+  if plans:
+    p = plans[0]
+    lines.append(f"Newton–Schulz: {p.steps} steps, {p.precondition} scaling, "
+                 f"{p.compute_dtype} operands with float32 accumulation, precision "
+                 f"{p.precision}; NS is the standard or Gram-space iteration per shape.")
+  elif as_newton_schulz(ns).fn is not None:
+    lines.append("Newton–Schulz: a custom function (NewtonSchulz(fn=...)).")
+  if routing.rules is not None:
+    lines.append(NAME_RULES_CAVEAT)
+  return "\n".join(lines)
