@@ -110,7 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
       placed = layout(params, mesh, kind)
       least = minimal_bytes(params, mesh, kind)
       adam = mo.AuxAdam(backend="optax")
-      arms = {"muon_optax": mo.muon(0.02, mesh=mesh, adam=adam),
+      placement = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded")
+      arms = {"muon_optax": mo.muon(0.02, mesh=placement, adam=adam),
               "optax.contrib.muon": optax.contrib.muon(
                   0.02, muon_weight_dimension_numbers=contrib_dimension_numbers)}
       for name, tx in arms.items():

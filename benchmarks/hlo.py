@@ -64,8 +64,18 @@ def collective_stats(hlo_text: str) -> dict[str, tuple[int, int]]:
     >>> compiled = jax.jit(step).lower(*args).compile()  # doctest: +SKIP
     >>> collective_stats(compiled.as_text())["all-gather"]
   """
-  partitions = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text)) else 1
   stats = {op: [0, 0.0] for op in COLLECTIVES}
+  for op, _, moved in collective_ops(hlo_text):
+    stats[op][0] += 1
+    stats[op][1] += moved
+  return {op: (n, int(round(b))) for op, (n, b) in stats.items()}
+
+
+def collective_ops(hlo_text: str) -> list[tuple[str, int, float]]:
+  """(collective, devices in its group, bytes one device receives) of every collective
+  of one device's compiled program, in program order (see `collective_stats`)."""
+  partitions = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text)) else 1
+  ops = []
   for line in hlo_text.splitlines():
     line = _COMMENT.sub("", line)
     match = _OP.search(line)
@@ -77,9 +87,9 @@ def collective_stats(hlo_text: str) -> dict[str, tuple[int, int]]:
       arrays = arrays[len(arrays) // 2:]
     size = sum(_ITEM_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
                for t, dims in arrays)
-    stats[op][0] += 1
-    stats[op][1] += _moved(op, size, _group_size(line, partitions), line)
-  return {op: (n, int(round(b))) for op, (n, b) in stats.items()}
+    group = _group_size(line, partitions)
+    ops.append((op, group, _moved(op, size, group, line)))
+  return ops
 
 
 def parser() -> argparse.ArgumentParser:

@@ -51,6 +51,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
                  help="print the model's optimizer routing table and exit")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
+  if args.optimizer == "adamw" and args.lr is not None:
+    p.error("--lr is the hidden matrices' rate, which an AdamW-only run does not have; "
+            "set AdamW's rate with --adam-lr")
   cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                        if f.name != "optimizer"}, optimizer=args.optimizer or "muon")
   return cfg, args

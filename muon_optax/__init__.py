@@ -6,6 +6,7 @@ from muon_optax._adamw.convert import convert_adam_state
 from muon_optax._adamw.offload import offload_state
 from muon_optax._alias import adamuon, muon, normuon, scale_by_muon
 from muon_optax._distributed.layouts import fsdp_shardings, state_shardings
+from muon_optax._distributed.mesh_layout import MeshLayout
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz.iteration import newton_schulz
 from muon_optax._newton_schulz.plan import newton_schulz_plan
@@ -36,6 +37,7 @@ __all__ = [
     "checkpoint",
     "DEFAULT_RULES",
     "MatrixView",
+    "MeshLayout",
     "MuonMomentumState",
     "NewtonSchulz",
     "PRESETS",

@@ -16,6 +16,7 @@ from jax.typing import ArrayLike
 from muon_optax import _routing
 from muon_optax._adamw import offload
 from muon_optax._adamw.backends import AuxAdam
+from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._distributed.packed_gather import with_packed_gather
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
@@ -54,7 +55,7 @@ def scale_by_muon(
     scale: Optional[str] = "jordan",
     mu_dtype: Optional[Any] = None,
     routing: Any = None,
-    mesh: Optional[Mesh] = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformation:
   """The Muon direction without learning rate or weight decay:
   momentum → Newton–Schulz orthogonalization → scaling.
@@ -78,19 +79,20 @@ def scale_by_muon(
                      *_scaled(orthogonal, scale, beta, nesterov, routing))
 
 
-def _gathered(direction: optax.GradientTransformation, mesh: Optional[Mesh]
+def _gathered(direction: optax.GradientTransformation, mesh: Union[Mesh, MeshLayout, None]
               ) -> optax.GradientTransformation:
   """A direction whose last steps use sharded statistics (second moments, the dual
   norm): under ZeRO-1 its updates reach the replicated params in one packed all-gather,
   not one per leaf (Muon's own come back from the exchange already laid out)."""
-  return direction if mesh is None else with_packed_gather(direction)
+  return direction if mesh is None else with_packed_gather(direction, as_mesh_layout(mesh))
 
 
 def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: ScalarOrSchedule,
                     weight_decay: ArrayLike, weight_decay_mask: Mask,
                     adam: Union[AuxAdam, optax.GradientTransformation, None],
                     adam_learning_rate: Optional[ScalarOrSchedule], offload_momentum: bool,
-                    routing: Any, mesh: Optional[Mesh]) -> optax.GradientTransformationExtraArgs:
+                    routing: Any, mesh: Union[Mesh, MeshLayout, None]
+                    ) -> optax.GradientTransformationExtraArgs:
   """`direction` (+ decoupled weight decay, learning rate) for the leaves routed to Muon,
   AdamW for the others, zero for frozen ones: what every alias of the family shares."""
   validate.learning_rate("learning_rate", learning_rate)
@@ -105,7 +107,7 @@ def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: Scal
     hidden = offload.offload_state(hidden)
   adam = _aux_branch(adam, adam_learning_rate)
   if mesh is not None:  # ZeRO-1: the AdamW updates gathered in one collective, not per leaf
-    adam = with_packed_gather(adam)
+    adam = with_packed_gather(adam, as_mesh_layout(mesh))
   transforms = {_routing.MUON: hidden, _routing.ADAM: adam, _routing.FROZEN: optax.set_to_zero()}
 
   def param_labels(params):
@@ -161,7 +163,7 @@ def muon(
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
     routing: Any = None,
-    mesh: Optional[Mesh] = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden weight matrices, AdamW for everything else, routed by tree path.
 
@@ -245,7 +247,7 @@ def normuon(
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
     routing: Any = None,
-    mesh: Optional[Mesh] = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """NorMuon: Muon whose orthogonalized update is normalized per output neuron.
 
@@ -288,7 +290,7 @@ def adamuon(
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
     routing: Any = None,
-    mesh: Optional[Mesh] = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """AdaMuon: Muon whose orthogonalized update is normalized element-wise, RMS-aligned.
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from muon_optax._distributed.layouts import data_spec, explicit_spec, stack_spec
+from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._distributed.sharded_ns import sharded_solver
 from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
@@ -38,15 +41,17 @@ def _from_wide(stack: jax.Array, wide: _Wide, shape: tuple[int, ...]) -> jax.Arr
   return wide.view.from_matrices(m, shape)
 
 
-# Orthogonalizes a list of wide (count, rows, cols) stacks, returning them in order.
-Solver = Callable[[list[jax.Array]], list[jax.Array]]
+# Orthogonalizes the wide (count, rows, cols) stacks of a list of leaves, returning the
+# results in order; `likes` are the params' leaves, whose layout the results should take.
+Solver = Callable[[list[_Wide], list[jax.Array], Optional[list[Any]]], list[jax.Array]]
 
 
 def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array]) -> Solver:
   """One `ns_fn` call per (rows, cols, dtype) group: same-shape matrices are
   concatenated into a single batch, which equals orthogonalizing them one by one."""
 
-  def solve(stacks):
+  def solve(wides, leaves=None, likes=None):
+    stacks = [w.stack for w in wides]
     groups = {}
     for i, s in enumerate(stacks):
       groups.setdefault((*s.shape[1:], s.dtype), []).append(i)
@@ -62,22 +67,46 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array]) -> Solver:
   return solve
 
 
+def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solver:
+  """Stacks dealt over the mesh (`sharded_solver`), told where they lie: as the leaves'
+  types say on an Explicit mesh, else as `state_shardings` lays the state out; results
+  go where the params are (types), or as `layout.params` says."""
+  solve_stacks = sharded_solver(ns_fn, layout, split_fn=split_fn, cost=cost)
+
+  def spec_of(leaf, wide: _Wide) -> P:
+    spec = explicit_spec(leaf)
+    if spec is None:
+      spec = data_spec(tuple(leaf.shape), layout.mesh, layout.data_axis)
+    view = wide.view.normalize(leaf.ndim)
+    return stack_spec(spec, (view.batch, view.fan_in, view.fan_out), wide.transposed)
+
+  def solve(wides, leaves, likes=None):
+    specs = [spec_of(leaf, w) for leaf, w in zip(leaves, wides)]
+    if layout.explicit and likes is not None:
+      out = [spec_of(like, w) for like, w in zip(likes, wides)]
+      out = None if all(not any(s) for s in out) else out
+    else:
+      out = None if layout.gathers() else specs
+    return solve_stacks([w.stack for w in wides], specs, out)
+
+  return solve
+
+
 def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any = None) -> Any:
   """Sees every Muon leaf as a stack of wide matrices, orthogonalizes all of them with
   `solver`, and puts each result back in its leaf's layout. With `like` (the params),
-  the solver also gets their stacks, whose layout the results should take."""
+  the solver also gets their leaves, whose layout the results should take."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
   views_of = {i: matrix_view_of(views, paths.path_str(path), leaf)
               for i, (path, leaf) in enumerate(flat) if not paths.is_masked(leaf)}
   # An empty matrix has no direction to orthogonalize: its update is zero (it is empty).
   wides = {i: _to_wide(flat[i][1], view) for i, view in views_of.items() if flat[i][1].size}
-  stacks = [w.stack for w in wides.values()]
   leaves = [] if like is None else jax.tree_util.tree_leaves(like, is_leaf=paths.is_masked)
+  likes = None
   if like is not None and len(leaves) == len(flat) and all(
       getattr(leaves[i], "shape", None) == flat[i][1].shape for i in wides):
-    results = solver(stacks, [_to_wide(leaves[i], w.view).stack for i, w in wides.items()])
-  else:
-    results = solver(stacks)
+    likes = [leaves[i] for i in wides]
+  results = solver(list(wides.values()), [flat[i][1] for i in wides], likes)
   out = [leaf for _, leaf in flat]
   for (i, wide), result in zip(wides.items(), results):
     out[i] = _from_wide(result, wide, flat[i][1].shape)
@@ -85,7 +114,7 @@ def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any 
 
 
 def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
-                  mesh: Optional[Mesh] = None) -> optax.GradientTransformation:
+                  mesh: Union[Mesh, MeshLayout, None] = None) -> optax.GradientTransformation:
   """Replaces each update by Newton–Schulz's orthogonalization of its matrix view.
 
   Same-shape matrices (after orienting each wide) are stacked and orthogonalized by
@@ -124,8 +153,8 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
     cost = ns
   else:  # a custom function sees whole matrices only; balance as if it were Jordan's
     ns_fn, split_fn, cost = ns.fn, None, NewtonSchulz("jordan", gram=False)
-  solver = (grouped_solver(ns_fn) if mesh is None else
-            sharded_solver(ns_fn, mesh, split_fn=split_fn, cost=cost))
+  layout = as_mesh_layout(mesh)
+  solver = grouped_solver(ns_fn) if layout is None else mesh_solver(ns_fn, split_fn, cost, layout)
 
   def update_fn(updates, state, params=None):
     like = params if mesh is not None else None  # on a mesh, results laid out like params

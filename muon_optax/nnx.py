@@ -104,8 +104,8 @@ class ClipAttention(nnx.MultiHeadAttention):
     num_heads, in_features: as for `nnx.MultiHeadAttention`.
     axis_name: max-reduce S_h over this mapped axis (inside `shard_map` only; under
       `jit` with a sharded batch the max is global already).
-    **kwargs: any other `nnx.MultiHeadAttention` option (no `attention_fn`, no
-      `decode`, no `num_kv_heads`).
+    **kwargs: any other `nnx.MultiHeadAttention` option; `decode=False` and
+      `attention_fn` are what this module is (it sows the max logits and runs no cache).
 
   Example:
     >>> import jax.numpy as jnp
@@ -122,6 +122,11 @@ class ClipAttention(nnx.MultiHeadAttention):
 
   def __init__(self, num_heads: int, in_features: int, *, rngs: nnx.Rngs,
                axis_name: Optional[str] = None, **kwargs: Any):
+    # Accepted as nnx.MultiHeadAttention takes them, as long as they ask for this module.
+    if kwargs.pop("decode", False) or kwargs.pop("attention_fn", None) is not None:
+      raise ValueError("ClipAttention takes decode=False and no attention_fn: it sows the max "
+                       "logits of its own attention and keeps no cache. Use "
+                       "nnx.MultiHeadAttention for decoding or another attention function.")
     fn = functools.partial(max_logit_attention, axis_name=axis_name)
     super().__init__(num_heads, in_features, attention_fn=fn, decode=False, rngs=rngs, **kwargs)
 

@@ -120,6 +120,25 @@ def test_jordan_checkpoint_restores_under_polar_express(tmp_path):
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(updates))
 
 
+def test_another_optimizer_is_named_and_the_params_restore_alone(tmp_path):
+  params = make_params()
+  state = fill(jax.eval_shape(make_tx().init, params), 0)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(0, params, state)
+    ckpt.wait()
+    adamuon = mo.adamuon(0.02, adam=mo.AuxAdam(1e-3))
+    target = abstract_target(adamuon, params)
+    with pytest.raises(ValueError, match=r"(?s)optimizer state leaf.*another optimizer's.*"
+                       r"restore the params alone"):
+      ckpt.restore(params_target=target[0], opt_state_target=target[1])
+    restored = ckpt.restore(params_target=target[0])  # the params; a fresh adamuon state
+  assert restored.opt_state is None
+  assert_equal(restored.params, params)
+  fresh = adamuon.init(restored.params)
+  updates, _ = jax.jit(adamuon.update)(params, fresh, restored.params)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(updates))
+
+
 @pytest.mark.parametrize("backend", ["optax", "offload"])
 def test_adam_backend_change_restores(tmp_path, backend):
   """The backends share one state layout: a state saved under one reads into another."""

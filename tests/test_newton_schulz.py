@@ -107,6 +107,27 @@ def test_column_parts_equal_the_whole_matrix(ns, gram):
   assert np.all(rel(jnp.concatenate(list(split), axis=-1), whole) < 2 * float32_bound(ns))
 
 
+@pytest.mark.parametrize("gram", [False, True])
+def test_row_split_m_by_m_products_equal_the_whole_matrix(gram):
+  # Column parts whose m×m products are split by rows too: each part computes its
+  # block of rows of every m×m product and gathers the others', as devices would.
+  x = well_conditioned(jax.random.key(8), (2, 16, 64))
+  reduce = lambda v, op: (jax.lax.psum if op is jnp.add else jax.lax.pmax)(v, "part")
+
+  def rows(product):
+    def split(a, b):
+      h = a.shape[-2] // 4
+      block = jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index("part") * h, h, axis=-2)
+      return jax.lax.all_gather(product(block, b), "part", axis=a.ndim - 2, tiled=True)
+    return split
+
+  parts = jnp.stack(jnp.split(x, 4, axis=-1))
+  split = jax.vmap(lambda p: newton_schulz_column_parts(p, 4, reduce, NS(gram=gram), rows),
+                   axis_name="part")(parts)
+  whole = mo.newton_schulz(x, NS(gram=gram))
+  assert np.all(rel(jnp.concatenate(list(split), axis=-1), whole) < 2 * float32_bound())
+
+
 def test_custom_schedule_repeats_last_row_and_never_wraps():
   rows = np.array([[3.0, -3.2, 1.2], [2.0, -1.5, 0.5]])
   x = jax.random.normal(jax.random.key(6), (8, 16))
@@ -162,6 +183,8 @@ def test_bad_inputs():
     mo.newton_schulz(jnp.ones((4, 4), jnp.int32))
   with pytest.raises(ValueError, match=r"\(\.\.\., m, n\)"):
     mo.newton_schulz(jnp.ones(4))
+  with pytest.raises(ValueError, match=r"newton_schulz_plan needs a shape \(\.\.\., m, n\)"):
+    mo.newton_schulz_plan((64,))
 
 
 def test_auto_dtype_and_precision_follow_the_platform():

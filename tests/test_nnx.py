@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _helpers import assert_trees_close
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -51,6 +52,15 @@ def test_max_logit_attention_is_softmax_attention_and_sows():
   attn = ClipAttention(H, D, qkv_features=H * HD, rngs=nnx.Rngs(0))
   _, inter = nnx.capture(attn, nnx.Intermediate)(inputs(3, (B, L, D)))
   assert max_logits(inter)[""].shape == (H,)
+
+
+def test_clip_attention_takes_the_usual_multi_head_attention_arguments():
+  # decode=False is what ClipAttention is, so it may be said; decode=True may not.
+  attn = ClipAttention(H, D, qkv_features=H * HD, decode=False, dropout_rate=0.0,
+                       rngs=nnx.Rngs(0))
+  assert attn(inputs(3, (B, L, D))).shape == (B, L, D)
+  with pytest.raises(ValueError, match="decode=False and no attention_fn"):
+    ClipAttention(H, D, decode=True, rngs=nnx.Rngs(0))
 
 
 def test_max_logits_takes_the_max_over_repeated_calls():

@@ -8,6 +8,7 @@ Each script's docstring shows its smallest configuration, the one run here."""
 import argparse
 import ast
 import importlib
+import json
 import os
 import pathlib
 import re
@@ -41,6 +42,8 @@ def smallest(module: str, tmp: pathlib.Path) -> Optional[list[str]]:
                                    "--steps", "3"],
       "benchmarks.distributed": ["--layers", "1", "--d", "64", "--vocab", "256",
                                  "--devices", "1", "2"],
+      "benchmarks.scale": ["--model", "8b", "--layers", "2", "--devices", "8", "--out",
+                           str(tmp / "s.jsonl")],
       "benchmarks.e2e_loss": ["--preset", "tiny", "--steps", "3", "--data-root", DATA,
                               "--out", str(tmp / "loss.png")],
       "benchmarks.infer_routing": ["--layers", "1", "--d-model", "32", "--heads", "2",
@@ -179,6 +182,24 @@ def test_distributed_compiles_both_layouts(tmp_path, capsys):
   assert [(r[0], r[1], r[2]) for r in rows] == [
       (kind, n, name) for kind in ("zero1", "fsdp") for n in ("1", "2")
       for name in ("muon_optax", "optax.contrib.muon")]
+
+
+def test_scale_compiles_each_arm_once_and_resumes(tmp_path):
+  # The smallest case: 2 layers of Llama-3-8B shapes on 8 simulated devices, FSDP and
+  # ZeRO-1, every arm; in a process of its own, as the devices must be set before jax.
+  argv = smallest("benchmarks.scale", tmp_path)
+  out = run_module("benchmarks.scale", argv, timeout=480)
+  check_report(out, "benchmarks.scale", argv)
+  rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+  assert [(r["layout"], r["arm"]) for r in rows] == [
+      (layout, arm) for layout in ("fsdp", "zero1")
+      for arm in ("muon_optax", "optax.contrib.muon", "optax.adamw")]
+  ours = rows[0]
+  assert "error" not in ours and ours["collectives"]["all-to-all"][0] == 2
+  assert ours["flops"] <= 1.6 * ours["ideal_flops"]  # 14 matrices of 3 shapes for 8 devices
+  again = run_module("benchmarks.scale", argv, timeout=120)  # all rows on disk: none redone
+  assert len((tmp_path / "s.jsonl").read_text().splitlines()) == len(rows)
+  assert "muon_optax" not in again.split("----\n", 1)[-1]
 
 
 def test_hlo_counts_the_collectives_of_a_saved_program(tmp_path):

@@ -306,6 +306,8 @@ def test_a_first_argument_that_is_not_a_function_of_a_pytree_of_arrays():
   variables = SegNet().init(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
   with pytest.raises(ValueError, match=r"Linen Module.*infer_routing\(model.apply, variables"):
     mo.infer_routing(SegNet(), variables, x)
+  with pytest.raises(ValueError, match=r"Linen Module class.*infer_routing\(model.apply, "):
+    mo.infer_routing(SegNet, variables, x)  # the class, not an instance
   with pytest.raises(ValueError, match=r"f holds arrays of its own.*params/Conv_0/bias"):
     mo.infer_routing(jax.tree_util.Partial(SegNet().apply, variables), x)
   transformed = hk.transform(lambda x: hk.Linear(3)(x))

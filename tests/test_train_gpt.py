@@ -61,6 +61,18 @@ def test_train_gpt_optimizer_flag_runs_one(tmp_path, optimizer):
   assert len(json.loads((tmp_path / "run.json").read_text())["runs"]) == 1
 
 
+def test_every_rate_flag_acts_or_names_the_one_to_use(capsys):
+  # An AdamW-only run has no hidden-matrix rate: --lr would do nothing, so it is an error.
+  with pytest.raises(SystemExit):
+    train_gpt.parse_args(["--optimizer", "adamw", "--lr", "1e-3"])
+  err = capsys.readouterr().err
+  assert "--lr is the hidden matrices' rate" in err and "--adam-lr" in err
+  cfg, _ = train_gpt.parse_args(["--optimizer", "adamw", "--adam-lr", "1e-3"])
+  assert cfg.peak_lr == 1e-3
+  cfg, _ = train_gpt.parse_args(["--lr", "0.01"])  # Muon's run; AdamW's keeps --adam-lr
+  assert cfg.peak_lr == 0.01
+
+
 def test_steps_to_reach_interpolates_between_evaluations():
   curve = [(10, 3.0), (20, 2.0), (30, 1.0)]
   assert steps_to_reach(curve, 1.5) == 25.0

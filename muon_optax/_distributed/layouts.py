@@ -184,3 +184,26 @@ def reshard_to(x: jax.Array, spec: Optional[P]) -> jax.Array:
   if spec is None or explicit_spec(x) is None or explicit_spec(x) == spec:
     return x
   return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, spec))
+
+
+def data_spec(shape: tuple[int, ...], mesh: Mesh, axes: tuple[str, ...]) -> P:
+  """The layout `state_shardings` gives a state leaf of `shape` whose parameter is
+  replicated, and `fsdp_shardings` gives a parameter: the data axes on its largest
+  dimension they divide."""
+  return _add_data_axis(shape, P(), mesh, axes)
+
+
+def stack_spec(spec: P, groups: tuple[tuple[int, ...], ...], transposed: bool) -> P:
+  """The layout of a leaf's (count, rows, cols) matrix stack, given the leaf's `spec`
+  and the leaf axes that make each stack axis (`groups`: batch, fan_in, fan_out, in
+  that order). A stack axis keeps the split of its first leaf axis when that is the
+  only split one of the group (a reshape keeps such blocks where they are); any other
+  split leaves it whole (XLA then moves the data). `transposed`: rows and cols swapped."""
+  entries = list(spec) + [None] * (sum(map(len, groups)) - len(spec))
+  out = []
+  for group in groups:
+    split = [a for a in group if entries[a] is not None]
+    out.append(entries[group[0]] if group and split == [group[0]] else None)
+  if transposed:
+    out[1], out[2] = out[2], out[1]
+  return P(*out)

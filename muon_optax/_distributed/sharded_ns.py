@@ -6,11 +6,16 @@ left over in each shape group share rounds, largest first, zero-padded to the
 round's largest shape. Zero-padding is exact for Newton–Schulz (X Xᵀ keeps its block
 structure, ‖X‖_F is unchanged); an empty slot is an all-zero matrix, whose result is 0.
 Whole matrices need no collective inside the iterations. A round with fewer
-matrices than devices splits each matrix's columns over g devices instead of
-idling them: NS(X) restricted to some columns only needs the whole X Xᵀ, summed
-over the g parts wherever the iteration forms it (`newton_schulz_column_parts`).
+matrices than devices splits each matrix's columns over a group of g devices instead
+of idling them: NS(X) restricted to some columns only needs the whole X Xᵀ, summed
+over the g parts wherever the iteration forms it (`newton_schulz_column_parts`), by
+one all-reduce over the group.
 
-The exchange is a `custom_partitioning` op, so it sees the layouts XLA chose:
+The exchange is a `jax.shard_map`, which every backend compiles (TPU included), over
+the mesh's devices with each axis cut into its prime factors (`FactorMesh`): a group of
+g consecutive devices is then a set of trailing factor axes, which collectives can name.
+Its layouts are given, not discovered: the stacks lie as the state does
+(`state_shardings`), and the results go where `MeshLayout` says the params are.
 - in: each device cuts its block of every matrix into one piece per owner (a
   block replicated over some mesh axes is split between its replicas), packs all
   pieces into one flat buffer row per owner, and a single all-to-all delivers them;
@@ -29,11 +34,10 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.layouts import is_explicit, spec_axes
+from muon_optax._distributed.layouts import spec_axes
 from muon_optax._newton_schulz.plan import newton_schulz_plan
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
@@ -42,8 +46,8 @@ SplitOk = Callable[[Item, int], bool]
 
 
 class Round(NamedTuple):
-  """One matrix per device, all (rows, cols) after zero-padding; with split = g > 1,
-  g consecutive devices share a matrix, device d holding columns part d % g."""
+  """One matrix of shape (rows, cols) per device; with split = g > 1, g consecutive
+  devices share a matrix, device d holding columns part d % g."""
 
   rows: int
   cols: int
@@ -51,65 +55,122 @@ class Round(NamedTuple):
   split: int = 1
 
 
+def rows_split(rows: int, split: int) -> bool:
+  """Whether the m×m products of a matrix shared by `split` devices are split by rows
+  too (its rows divide evenly), so that each device does 1/split of all the work."""
+  return split > 1 and rows % split == 0
+
+
 def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols) matrix
-  split over `split` devices: products with X are split, the rows×rows work is not."""
+  split over `split` devices: products with X are split by columns; the rows×rows
+  products by rows when `rows_split`, else repeated on each device."""
   plan = newton_schulz_plan((rows, cols), ns)
+  if rows_split(rows, split):
+    return plan.flops // split
   return plan.flops - plan.x_flops + plan.x_flops // split
+
+
+def power_of_two_groups(devices: int) -> tuple[int, ...]:
+  """Group sizes 2, 4, … that divide `devices`."""
+  return tuple(2**k for k in range(1, devices.bit_length()) if devices % 2**k == 0)
+
+
+def padded_cols(cols: int, blocks: int, split: int) -> int:
+  """Columns of a matrix cut into `split` column parts when it lies in `blocks` column
+  blocks. Where the split divides the block width, each block is cut into `split`
+  slices; else, where it divides the number of blocks, each part takes whole blocks
+  (`by_blocks`); else the slices are zero-padded to a multiple of `split` (zero columns
+  are exact for Newton–Schulz: X Xᵀ is unchanged, and their result is zero)."""
+  if (cols // blocks) % split == 0 or blocks % split == 0:
+    return cols
+  return blocks * math.ceil(cols // blocks / split) * split
+
+
+def _best_split(items: list[Item], rows: int, cols: int, devices: int, ns: NewtonSchulz,
+                split_ok: SplitOk, groups: tuple[int, ...], blocks: int) -> int:
+  """The split of a shape group with the least per-device flops over all its rounds
+  (its parts fill ⌈count · g / devices⌉ rounds); the smaller split on a tie."""
+  def cost(g):
+    width = padded_cols(cols, blocks, g)
+    return math.ceil(len(items) * g / devices) * split_flops(rows, width, g, ns)
+  fits = [g for g in groups if g <= devices and all(split_ok(item, g) for item in items)]
+  return min([1, *fits], key=lambda g: (cost(g), g))
+
+
+# A plan within this factor of the ideal per-device flops splits no further matrix: each
+# split adds collectives inside the iterations (the Gram sums and the row gathers).
+SPLIT_TOLERANCE = 1.05
+
+
+def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz = DEFAULT_NS,
+                split_ok: Optional[SplitOk] = None, groups: Optional[tuple[int, ...]] = None,
+                col_blocks: Optional[list[int]] = None) -> list[Round]:
+  """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
+
+  Each shape group runs in rounds of its own shape (no padding to another shape): whole
+  matrices, one per device, as long as they fill rounds. The rest of a group fills a
+  partial round, or is split by columns (and rows, see `rows_split`) over groups of g
+  devices, with the g that gives it the least per-device flops over all its rounds.
+  Rests are split largest saving first, until the plan is within `SPLIT_TOLERANCE` of
+  the ideal (total flops / devices). Splits need `split_ok(item, g)`; `groups` are the
+  group sizes the mesh can reduce over (default: powers of two); `col_blocks[i]` is the
+  number of column blocks stack i lies in (default 1), which pads its column parts
+  (`padded_cols`).
+  """
+  split_ok = split_ok or (lambda item, g: True)
+  groups = power_of_two_groups(devices) if groups is None else groups
+  col_blocks = col_blocks or [1] * len(shapes)
+  by_shape: dict[tuple[int, int], list[Item]] = {}
+  for i, (count, rows, cols) in enumerate(shapes):
+    by_shape.setdefault((rows, cols), []).extend((i, j) for j in range(count))
+  # Largest shapes first: their rounds come first in the exchange buffers.
+  order = sorted(by_shape, key=lambda shape: -_flops(*shape, ns))
+  rests = {shape: by_shape[shape][len(by_shape[shape]) // devices * devices:] for shape in order}
+  blocks = {shape: max(col_blocks[i] for i, _ in items) for shape, items in by_shape.items()}
+  best = {shape: _best_split(rest, *shape, devices, ns, split_ok, groups, blocks[shape])
+          for shape, rest in rests.items() if rest}
+  rest_cost = lambda shape, g: (math.ceil(len(rests[shape]) * g / devices)
+                                * split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
+                                              g, ns))
+  split = dict.fromkeys(best, 1)
+  ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
+  total = sum(len(by_shape[shape]) // devices * _flops(*shape, ns) for shape in order)
+  total += sum(rest_cost(shape, 1) for shape in best)
+  for shape in sorted(best, key=lambda sh: rest_cost(sh, best[sh]) - rest_cost(sh, 1)):
+    if total <= SPLIT_TOLERANCE * ideal:
+      break
+    total += rest_cost(shape, best[shape]) - rest_cost(shape, 1)
+    split[shape] = best[shape]
+  rounds = []
+  for (rows, cols) in order:
+    items = by_shape[rows, cols]
+    full = len(items) - len(rests[rows, cols])
+    rounds += [Round(rows, cols, tuple(items[s:s + devices])) for s in range(0, full, devices)]
+    g = split.get((rows, cols), 1)
+    slots = [item for item in rests[rows, cols] for _ in range(g)]
+    for start in range(0, len(slots), devices):
+      chunk = tuple(slots[start:start + devices])
+      rounds.append(Round(rows, cols, chunk + (None,) * (devices - len(chunk)), g))
+  return rounds
 
 
 def _flops(rows: int, cols: int, ns: NewtonSchulz) -> int:
   return newton_schulz_plan((rows, cols), ns).flops
 
 
-def _split_of(members, rows, cols, devices, ns, split_ok) -> int:
-  """The largest split that fits a round of `members` matrices and saves flops."""
-  best, g = 1, 2
-  while len(members) * g <= devices and devices % g == 0:
-    if cols % g == 0 and all(split_ok(item, g) for item in members):
-      if split_flops(rows, cols, g, ns) < _flops(rows, cols, ns):
-        best = g
-    g *= 2
-  return best
-
-
-def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz = DEFAULT_NS,
-                split_ok: Optional[SplitOk] = None) -> list[Round]:
-  """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
-
-  Each shape group fills as many full rounds as it can; the leftovers of all groups
-  are packed largest first into shared rounds of their largest member's shape. A
-  round with fewer members than devices splits each member's columns over the
-  idle devices when that lowers the per-device flops and `split_ok(item, g)` allows.
-  """
-  split_ok = split_ok or (lambda item, g: shapes[item[0]][2] % g == 0)
-  groups: dict[tuple[int, int], list[Item]] = {}
-  for i, (count, rows, cols) in enumerate(shapes):
-    groups.setdefault((rows, cols), []).extend((i, j) for j in range(count))
-  rounds, leftovers = [], []
-  for (rows, cols), items in groups.items():
-    full = len(items) - len(items) % devices
-    rounds += [Round(rows, cols, tuple(items[s:s + devices])) for s in range(0, full, devices)]
-    leftovers += [((rows, cols), item) for item in items[full:]]
-  # Largest first, so each shared round pads its members as little as possible.
-  leftovers.sort(key=lambda e: -_flops(*e[0], ns))
-  for start in range(0, len(leftovers), devices):
-    chunk = leftovers[start:start + devices]
-    rows = max(shape[0] for shape, _ in chunk)
-    cols = max(shape[1] for shape, _ in chunk)
-    members = [item for _, item in chunk]
-    g = _split_of(members, rows, cols, devices, ns, split_ok)
-    slots = tuple(item for item in members for _ in range(g))
-    rounds.append(Round(rows, cols, slots + (None,) * (devices - len(slots)), g))
-  return rounds
-
-
 def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
-                     ns: NewtonSchulz = DEFAULT_NS) -> int:
+                     ns: NewtonSchulz = DEFAULT_NS, groups: Optional[tuple[int, ...]] = None,
+                     split_ok: Optional[SplitOk] = None,
+                     col_blocks: Optional[list[int]] = None) -> int:
   """Newton–Schulz flops each device runs under `plan_rounds`."""
-  return sum(_flops(r.rows, r.cols, ns) if r.split == 1
-             else split_flops(r.rows, r.cols, r.split, ns)
-             for r in plan_rounds(shapes, devices, ns))
+  col_blocks = col_blocks or [1] * len(shapes)
+  def flops(r: Round) -> int:
+    if r.split == 1:
+      return _flops(r.rows, r.cols, ns)
+    blocks = max(col_blocks[item[0]] for item in r.slots if item is not None)
+    return split_flops(r.rows, padded_cols(r.cols, blocks, r.split), r.split, ns)
+  return sum(flops(r) for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_blocks))
 
 
 class Layout(NamedTuple):
@@ -164,81 +225,168 @@ def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args
   return jax.lax.switch(index, branches, *args)
 
 
-def _group_reduce(x, op, g: int, axes, n: int):
-  """`op`-reduction over the g consecutive devices that share a matrix: a butterfly
-  of collective-permutes, whose result is bitwise the same on every member."""
-  bit = 1
-  while bit < g:
-    x = op(x, jax.lax.ppermute(x, axes, [(s, s ^ bit) for s in range(n)]))
-    bit *= 2
-  return x
+class FactorMesh(NamedTuple):
+  """The mesh's devices in the same order, each axis cut into its prime factors, largest
+  first: the g consecutive devices that share a split matrix are then the devices that
+  differ only in some trailing factor axes, a group collectives can name."""
+
+  mesh: Mesh  # Auto axes, named "<axis>.<k>"
+  factors: dict[str, tuple[str, ...]]  # each mesh axis -> its factor axes
+
+  @classmethod
+  def of(cls, mesh: Mesh) -> FactorMesh:
+    names, sizes, factors = [], [], {}
+    for axis, size in mesh.shape.items():
+      primes, rest, p = [], size, 2
+      while rest > 1:
+        while rest % p == 0:
+          primes.append(p)
+          rest //= p
+        p += 1
+      primes.sort(reverse=True)
+      factors[axis] = tuple(f"{axis}.{k}" for k in range(len(primes)))
+      names += factors[axis]
+      sizes += primes
+    devices = np.asarray(mesh.devices).reshape(sizes)
+    return cls(Mesh(devices, tuple(names), axis_types=(AxisType.Auto,) * len(names)), factors)
+
+  def spec(self, spec: P) -> P:
+    """`spec` (over the mesh's axes) over the factor axes."""
+    entry = lambda e: tuple(f for a in spec_axes(e) for f in self.factors[a]) or None
+    return P(*(entry(e) for e in spec))
+
+  def groups(self) -> tuple[int, ...]:
+    """The sizes of the device groups collectives can reduce over (> 1)."""
+    sizes = list(self.mesh.shape.values())
+    return tuple(sorted({math.prod(sizes[k:]) for k in range(len(sizes))} - {1}))
+
+  def group_axes(self, g: int) -> tuple[str, ...]:
+    """The trailing factor axes whose devices make the groups of g consecutive devices."""
+    names, sizes = self.mesh.axis_names, list(self.mesh.shape.values())
+    k = next(k for k in range(len(sizes)) if math.prod(sizes[k:]) == g)
+    return tuple(names[k:])
+
+  def group_reduce(self, x, op, g: int):
+    """`op`-reduction (add or maximum) over the g consecutive devices sharing a matrix."""
+    axes = self.group_axes(g)
+    return jax.lax.pmax(x, axes) if op is jnp.maximum else jax.lax.psum(x, axes)
+
+  def row_split(self, g: int) -> Callable[[Callable], Callable]:
+    """Makes a product of m×m matrices (held whole by each of g devices) compute this
+    device's block of rows and all-gather the others' (see `newton_schulz_column_parts`)."""
+    axes = self.group_axes(g)
+
+    def split(product):
+      def rows(a, b):
+        h, axis = a.shape[-2] // g, a.ndim - 2
+        part = jax.lax.dynamic_slice_in_dim(
+            a, _linear_index(axes, dict(self.mesh.shape)) * h, h, axis=axis)
+        return jax.lax.all_gather(product(part, b), axes, axis=axis, tiled=True)
+      return rows
+
+    return split
 
 
-def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
-              outs: list[Layout], gather: bool, cost: NewtonSchulz):
-  """The per-device body: pack, all-to-all, reassemble, Newton–Schulz, send back."""
+def _chunks(rounds: list[Round], count: int) -> list[list[Round]]:
+  """`rounds` in at most `count` runs of consecutive rounds with about equal bytes."""
+  weight = [r.rows * r.cols / r.split for r in rounds]
+  total, chunks, acc = sum(weight), [[]], 0.0
+  for r, w in zip(rounds, weight):
+    if chunks[-1] and acc + w / 2 > total * len(chunks) / count and len(chunks) < count:
+      chunks.append([])
+    chunks[-1].append(r)
+    acc += w
+  return chunks
+
+
+def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
+              outs: list[Layout], gather: bool, cost: NewtonSchulz, chunks_of: int = 1):
+  """The per-device body: pack, all-to-all, reassemble, Newton–Schulz, send back; in
+  `chunks_of` exchanges one after another, so that only one's buffers are live at once."""
+  mesh = fmesh.mesh
   axes, n, sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
 
   def split_ok(item, g):
     i = item[0]
-    return (split_ns is not None and ins[i].block[1] % g == 0
-            and (gather or outs[i].grid[1] == ins[i].grid[1]))
+    return split_ns is not None and (gather or outs[i].grid == ins[i].grid)
 
-  rounds = plan_rounds(shapes, n, cost, split_ok)
+  rounds = plan_rounds(shapes, n, cost, split_ok, fmesh.groups(), [lay.grid[1] for lay in ins])
   dtype = jnp.result_type(*dtypes)
-  piece = lambda i, g: math.ceil(math.prod(ins[i].block) // g / ins[i].replicas)
-  where = {}  # item -> (round, its first device)
-  for t, r in enumerate(rounds):
-    for d, item in enumerate(r.slots):
-      where.setdefault(item, (t, d))
 
-  def variants(r: Round):
-    """The stacks of a round's members, and each device's index into them (an empty
-    slot takes the first member's: its pieces are zeros, any reassembly works)."""
-    keys = list(dict.fromkeys(item[0] for item in r.slots if item is not None))
-    return keys, [keys.index(item[0]) if item is not None else 0 for item in r.slots]
+  def run(stacks, rounds):
+    """One exchange of the matrices of `rounds`: {item: its result, in the wanted layout}."""
+    # Column part p of a block: its slice p of width ⌈bw / g⌉, zero-padded (`padded_cols`).
+    slice_width = lambda i, g: math.ceil(ins[i].block[1] / g)
+    part_width = lambda i, g: ins[i].grid[1] * slice_width(i, g)
+    piece = lambda i, g: math.ceil(ins[i].block[0] * slice_width(i, g) / ins[i].replicas)
+    round_width = [max(part_width(item[0], r.split) for item in r.slots if item is not None)
+                   for r in rounds]
+    blockwise = {t for t, r in enumerate(rounds)
+                 if all(by_blocks(ins[item[0]], r.split, n) and (gather or outs[item[0]] == ins[item[0]])
+                        for item in r.slots if item is not None)}
+    where = {}  # item -> (round, its first device)
+    for t, r in enumerate(rounds):
+      for d, item in enumerate(r.slots):
+        where.setdefault(item, (t, d))
 
-  def lower(stacks):
+    def variants(r: Round):
+      """The stacks of a round's members, and each device's index into them (an empty
+      slot takes the first member's: its pieces are zeros, any reassembly works)."""
+      keys = list(dict.fromkeys(item[0] for item in r.slots if item is not None))
+      return keys, [keys.index(item[0]) if item is not None else 0 for item in r.slots]
+
     # Each device's share of every matrix: its block (column part p of g), split
     # between the block's replicas: shares[(i, g)] has shape (count, g, piece).
     shares = {}
-    for i, g in {(item[0], r.split) for r in rounds for item in r.slots if item is not None}:
+    sliced = [t for t in range(len(rounds)) if t not in blockwise]
+    for i, g in {(item[0], rounds[t].split) for t in sliced for item in rounds[t].slots
+                 if item is not None}:
       lay, q, x = ins[i], piece(i, g), stacks[i].astype(dtype)
-      bh, bw = lay.block
-      x = x.reshape(-1, bh, g, bw // g).transpose(0, 2, 1, 3).reshape(x.shape[0], g, -1)
+      bh, sw = lay.block[0], slice_width(i, g)
+      x = jnp.pad(x, ((0, 0), (0, 0), (0, g * sw - lay.block[1])))
+      x = x.reshape(-1, bh, g, sw).transpose(0, 2, 1, 3).reshape(x.shape[0], g, -1)
       if lay.replicas > 1:
         x = jnp.pad(x, ((0, 0), (0, 0), (0, q * lay.replicas - x.shape[2])))
         rest = tuple(a for a in axes if a not in spec_axes(lay.spec[1]) + spec_axes(lay.spec[2]))
         x = jax.lax.dynamic_slice_in_dim(x, _linear_index(rest, sizes) * q, q, axis=2)
       shares[(i, g)] = x
-    width = [max(piece(item[0], r.split) for item in r.slots if item is not None) for r in rounds]
+    width = [0 if t in blockwise else
+             max(piece(item[0], r.split) for item in r.slots if item is not None)
+             for t, r in enumerate(rounds)]
     rows = []
     for d in range(n):  # the buffer row for owner d: its slot of every round
       row = []
-      for r, w in zip(rounds, width):
+      for t, (r, w) in enumerate(zip(rounds, width)):
+        if t in blockwise:
+          continue
         item = r.slots[d]
         if item is None:
           row.append(jnp.zeros((w,), dtype))
         else:
           share = shares[(item[0], r.split)][item[1], d % r.split]
           row.append(jnp.pad(share, (0, w - share.shape[0])))
-      rows.append(jnp.concatenate(row))
-    recv = jax.lax.all_to_all(jnp.stack(rows), axes, 0, 0, tiled=True)  # row s: from device s
+      rows.append(jnp.concatenate(row) if row else jnp.zeros((0,), dtype))
+    recv = (jax.lax.all_to_all(jnp.stack(rows), axes, 0, 0, tiled=True)  # row s: from device s
+            if sliced else None)
+    by_block = _blocks_in({t: rounds[t] for t in blockwise}, stacks, fmesh, dtype)
 
-    def assemble(i, r: Round):
-      lay, q, (rows_, cols) = ins[i], piece(i, r.split), shapes[i][1:]
-      bh, bw = lay.block[0], lay.block[1] // r.split
+    def assemble(i, r: Round, width: int):
+      lay, q, rows_ = ins[i], piece(i, r.split), shapes[i][1]
+      bh, sw = lay.block[0], slice_width(i, r.split)
       order = np.asarray(sorted(range(n), key=lambda s: lay.where[s]))
       def fn(seg):
-        x = seg[order, :q].reshape(*lay.grid, lay.replicas * q)[..., :bh * bw]
-        x = x.reshape(*lay.grid, bh, bw).transpose(0, 2, 1, 3).reshape(rows_, cols // r.split)
-        return jnp.pad(x, ((0, r.rows - rows_), (0, (r.cols - cols) // r.split)))
+        x = seg[order, :q].reshape(*lay.grid, lay.replicas * q)[..., :bh * sw]
+        x = x.reshape(*lay.grid, bh, sw).transpose(0, 2, 1, 3).reshape(rows_, -1)
+        return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))  # zero columns: exact
       return fn
 
     mats, start = [], 0
-    for r, w in zip(rounds, width):
+    for t, (r, w, width_r) in enumerate(zip(rounds, width, round_width)):
+      if t in blockwise:
+        mats.append(by_block[t])
+        continue
       keys, table = variants(r)
-      mats.append(_switch(table, [assemble(i, r) for i in keys], axes, sizes,
+      mats.append(_switch(table, [assemble(i, r, width_r) for i in keys], axes, sizes,
                           recv[:, start:start + w]))
       start += w
     results = list(mats)
@@ -247,7 +395,7 @@ def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
       by_shape.setdefault((*x.shape, r.split), []).append(t)
     for (_, _, g), members in by_shape.items():  # local Newton–Schulz, one batch per shape
       batch = jnp.stack([mats[t] for t in members])
-      batch = ns_fn(batch) if g == 1 else split_ns(batch, g, axes, n)
+      batch = ns_fn(batch) if g == 1 else split_ns(batch, g)
       for k, t in enumerate(members):
         results[t] = batch[k]
 
@@ -257,89 +405,173 @@ def _exchange(ns_fn, split_ns, mesh: Mesh, shapes, dtypes, ins: list[Layout],
       offsets = np.cumsum([0] + [x.size for x in results])
       def result(i, j):
         (t, d), r = where[(i, j)], rounds[where[(i, j)][0]]
-        ak, bw = ins[i].grid[1], ins[i].block[1] // r.split
+        (rows_, cols), ak, sw = shapes[i][1:], ins[i].grid[1], slice_width(i, r.split)
         parts = [sent[d + p, offsets[t]:offsets[t + 1]].reshape(results[t].shape)
                  for p in range(r.split)]
-        x = jnp.stack([x[:shapes[i][1], :shapes[i][2] // r.split] for x in parts])
-        return x.reshape(r.split, -1, ak, bw).transpose(1, 2, 0, 3).reshape(shapes[i][1:])
+        if t in blockwise:  # part p: blocks q·g + p, q = 0, 1, …
+          x = jnp.stack(parts).reshape(r.split, rows_, n // r.split, ins[i].block[1])
+          return x.transpose(1, 2, 0, 3).reshape(rows_, cols)
+        x = jnp.stack([x[:, :ak * sw] for x in parts]).reshape(r.split, rows_, ak, sw)
+        x = x.transpose(1, 2, 0, 3).reshape(rows_, ak, r.split * sw)
+        return x[:, :, :ins[i].block[1]].reshape(rows_, cols)
     else:  # every device gets its block of every result, in the wanted layout
-      w_out = [max(math.prod(outs[item[0]].block) // r.split for item in r.slots if item)
-               for r in rounds]
+      # A split result's parts have the input's grid (split_ok), hence its slices.
+      out_slice = lambda i, g: slice_width(i, g) if g > 1 else outs[i].block[1]
+      w_out = [max(outs[item[0]].block[0] * out_slice(item[0], r.split)
+                   for item in r.slots if item) for r in rounds]
       def blocks(i, r: Round, w):
-        lay, (rows_, cols) = outs[i], shapes[i][1:]
-        bh, bw = lay.block[0], lay.block[1] // r.split
+        lay, rows_ = outs[i], shapes[i][1]
+        bh, sw = lay.block[0], out_slice(i, r.split)
         pick = np.asarray([lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(n)])
         def fn(x):
-          b = x[:rows_, :cols // r.split].reshape(lay.grid[0], bh, lay.grid[1], bw)
-          b = b.transpose(0, 2, 1, 3).reshape(-1, bh * bw)[pick]
-          return jnp.pad(b, ((0, 0), (0, w - bh * bw)))
+          b = x[:rows_, :lay.grid[1] * sw].reshape(lay.grid[0], bh, lay.grid[1], sw)
+          b = b.transpose(0, 2, 1, 3).reshape(-1, bh * sw)[pick]
+          return jnp.pad(b, ((0, 0), (0, w - bh * sw)))
         return fn
       parts = []
-      for r, x, w in zip(rounds, results, w_out):
+      for t, (r, x, w) in enumerate(zip(rounds, results, w_out)):
+        if t in blockwise:
+          w_out[t] = 0
+          continue
         keys, table = variants(r)
         parts.append(_switch(table, [blocks(i, r, w) for i in keys], axes, sizes, x))
-      back = jax.lax.all_to_all(jnp.concatenate(parts, axis=1), axes, 0, 0, tiled=True)
+      back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), axes, 0, 0, tiled=True)
+              if parts else None)
+      by_block = _blocks_out({t: rounds[t] for t in blockwise}, results, fmesh, dtype)
       offsets = np.cumsum([0] + w_out)
       def result(i, j):
         (t, d), r = where[(i, j)], rounds[where[(i, j)][0]]
-        bh, bw = outs[i].block[0], outs[i].block[1] // r.split
-        return jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * bw].reshape(bh, bw)
-                                for p in range(r.split)], axis=1)
-    return [jnp.stack([result(i, j) for j in range(shape[0])]).astype(dt)
+        if t in blockwise:  # matrix q of the round, from the owner of this device's block
+          return by_block[t][d // r.split]
+        bh, sw = outs[i].block[0], out_slice(i, r.split)
+        x = jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * sw].reshape(bh, sw)
+                             for p in range(r.split)], axis=1)
+        return x[:, :outs[i].block[1]]
+    return {item: result(*item) for item in where if item is not None}
+
+  chunks = _chunks(rounds, chunks_of)
+
+  def lower(stacks):
+    done = {}
+    for k, chunk in enumerate(chunks):  # one after another: one chunk's buffers live at a time
+      if k:  # the next chunk starts from inputs that wait for the last one's results
+        stacks, finished = jax.lax.optimization_barrier((stacks, list(done.values())))
+        done = dict(zip(done, finished))
+      done.update(run(stacks, chunk))
+    return [jnp.stack([done[i, j] for j in range(shape[0])]).astype(dt)
             for i, (shape, dt) in enumerate(zip(shapes, dtypes))]
 
   return lower
 
 
-def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], mesh: Mesh, *,
+def by_blocks(lay: Layout, split: int, devices: int) -> bool:
+  """Whether a stack's column parts take whole blocks: its columns lie in one block per
+  device (device s holds block s, no replicas) and `split` divides the block count but
+  not the block width. Part p of a matrix is then blocks p, p + g, p + 2g, …, which
+  devices send to its owner in an all-to-all among the devices of one residue mod g."""
+  return (split > 1 and lay.grid == (1, devices) and lay.replicas == 1
+          and all(w[1] == s for s, w in enumerate(lay.where))
+          and lay.block[1] % split != 0 and devices % split == 0)
+
+
+def _blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
+  """The block-mode rounds' exchange in, one all-to-all per split among the devices of a
+  residue: {round index: this device's column part (rows, cols / g)}. In such a round
+  the g devices q·g + p own part p of the round's matrix q, and device s sends its block
+  of matrix q to device q·g + s mod g."""
+  parts = {}
+  for g in sorted({rounds[t].split for t in rounds}):
+    members = [t for t in rounds if rounds[t].split == g]
+    classes = fmesh.mesh.size // g
+    lead = fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names) - len(fmesh.group_axes(g))]
+    first = lambda r: next(x for x in r.slots if x is not None)
+    rows = []
+    for q in range(classes):  # to the peer of residue class position q: its matrices
+      row = []
+      for t in members:
+        r, item = rounds[t], rounds[t].slots[q * g]
+        block = stacks[first(r)[0]].shape[1:]
+        row.append(jnp.zeros(block, dtype).reshape(-1) if item is None
+                   else stacks[item[0]][item[1]].astype(dtype).reshape(-1))
+      rows.append(jnp.concatenate(row))
+    recv = jax.lax.all_to_all(jnp.stack(rows), lead, 0, 0, tiled=True)  # row q: from q·g + p
+    start = 0
+    for t in members:
+      bh, bw = stacks[first(rounds[t])[0]].shape[1:]
+      x = recv[:, start:start + bh * bw].reshape(classes, bh, bw)
+      parts[t] = x.transpose(1, 0, 2).reshape(bh, classes * bw)
+      start += bh * bw
+  return parts
+
+
+def _blocks_out(rounds, results, fmesh: FactorMesh, dtype):
+  """The block-mode rounds' way back: each owner sends every device of its residue class
+  that device's block of its part. {round index: this device's block of matrix q, by q}."""
+  back = {}
+  for g in sorted({rounds[t].split for t in rounds}):
+    members = [t for t in rounds if rounds[t].split == g]
+    classes = fmesh.mesh.size // g
+    lead = fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names) - len(fmesh.group_axes(g))]
+    chunks = [results[t].reshape(results[t].shape[0], classes, -1).transpose(1, 0, 2)
+              .reshape(classes, -1).astype(dtype) for t in members]
+    recv = jax.lax.all_to_all(jnp.concatenate(chunks, axis=1), lead, 0, 0, tiled=True)
+    start = 0
+    for t, chunk in zip(members, chunks):
+      rows_, bw = results[t].shape[0], results[t].shape[1] // classes
+      back[t] = recv[:, start:start + chunk.shape[1]].reshape(classes, rows_, bw)
+      start += chunk.shape[1]
+  return back
+
+
+def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
+  """The exchange of `stacks` (lying in `specs`, over the layout's mesh) as a shard_map
+  over the factor mesh, its results laid out in `out_specs` (or replicated)."""
+  fmesh = FactorMesh.of(layout.mesh)
+  shapes = [tuple(s.shape) for s in stacks]
+  ins = [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
+         for spec, shape in zip(specs, shapes)]
+  gather = out_specs is None
+  outs = ([layout_of(NamedSharding(fmesh.mesh, P()), shape, fmesh.mesh) for shape in shapes]
+          if gather else
+          [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
+           for spec, shape in zip(out_specs, shapes)])
+  def split_ns(x, g):
+    rows = fmesh.row_split(g) if rows_split(x.shape[-2], g) else None
+    return split_fn(x, g, lambda v, op: fmesh.group_reduce(v, op, g), rows=rows)
+  lower = _exchange(ns_fn, None if split_fn is None else split_ns, fmesh, shapes,
+                    [s.dtype for s in stacks], ins, outs, gather, cost, layout.exchanges)
+  body = jax.shard_map(lambda *xs: tuple(lower(list(xs))), mesh=fmesh.mesh,
+                       in_specs=tuple(lay.spec for lay in ins),
+                       out_specs=tuple(lay.spec for lay in outs), check_vma=False)
+  with jax.sharding.use_abstract_mesh(fmesh.mesh.abstract_mesh):
+    return list(body(*stacks))
+
+
+def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], layout, *,
                    split_fn: Optional[Callable] = None, cost: NewtonSchulz = DEFAULT_NS):
   """A solver for `orthogonalize_leaves` that runs `ns_fn` on whole matrices dealt
-  over the mesh, with one packed exchange in and one out (see the module doc).
-  `split_fn(x, parts, reduce)` (`newton_schulz_column_parts` with `ns_fn`'s settings)
-  runs matrices split by columns over several devices; without it every matrix is
-  orthogonalized whole. `cost` (the settings `ns_fn` runs) sizes the flop estimates
-  that balance the work. Matrices are dealt over every device of the mesh."""
-  split_ns = None if split_fn is None else (
-      lambda x, g, axes, n: split_fn(x, g, lambda v, op: _group_reduce(v, op, g, axes, n)))
+  over the mesh of `layout` (a `MeshLayout`), with one packed exchange in and one out
+  (see the module doc). `split_fn(x, parts, reduce)` (`newton_schulz_column_parts` with
+  `ns_fn`'s settings) runs matrices split by columns over several devices; without it
+  every matrix is orthogonalized whole. `cost` (the settings `ns_fn` runs) sizes the flop
+  estimates that balance the work.
 
-  def partition(mesh_, arg_shapes, result_shape):
-    (args,) = arg_shapes
-    shapes = [tuple(a.shape) for a in args]
-    ins = [layout_of(a.sharding, s, mesh_) for a, s in zip(args, shapes)]
-    outs = [layout_of(r.sharding, s, mesh_) for r, s in zip(result_shape, shapes)]
-    gather = all(lay.grid == (1, 1) for lay in outs)
-    lower = _exchange(ns_fn, split_ns, mesh_, shapes, [a.dtype for a in args], ins, outs,
-                      gather, cost)
-    named = lambda layouts: [NamedSharding(mesh_, lay.spec) for lay in layouts]
-    return mesh_, lower, named(outs), (named(ins),)
-
-  def infer(mesh_, arg_shapes, result_shape):  # GSPMD only: results like the arguments
-    return [NamedSharding(mesh_, layout_of(a.sharding, tuple(a.shape), mesh_).spec)
-            for a in arg_shapes[0]]
-
-  def solve_auto(stacks):
-    @custom_partitioning
-    def solve_all(xs):  # unpartitioned meaning: each stack orthogonalized in place
-      return [ns_fn(x) for x in xs]
-    # Shardy rule: the results share no factor with the arguments, so each side keeps
-    # the layout its neighbours give it and `partition` sees both.
-    dims = lambda k: " ".join(f"{c}{k}" for c in "abc")
-    count = len(stacks)
-    rule = (", ".join(dims(k) for k in range(count)) + " -> "
-            + ", ".join(dims(k + count) for k in range(count)))
-    solve_all.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                            sharding_rule=rule)
-    return solve_all(list(stacks))
-
-  def solve(stacks, like=None):
-    """`like`: arrays (the params as stacks) whose layout the results should take;
-    on Auto axes XLA finds that layout itself."""
+  The solver takes the stacks, the PartitionSpec (over the mesh) each lies in, and the
+  specs its results are wanted in, or None for replicated results.
+  """
+  def solve(stacks, specs, out_specs=None):
     if not stacks:
       return []
-    if not is_explicit(mesh):
-      return solve_auto(stacks)
-    # Explicit axes: exchange in Auto mode, hand results back in `like`'s layout.
-    out = [jax.typeof(s).sharding for s in (stacks if like is None else like)]
-    return jax.sharding.auto_axes(solve_auto, out_sharding=out)(list(stacks))
+    if layout.mesh.size == 1:
+      return [ns_fn(x) for x in stacks]
+    run = lambda xs: _exchanged(ns_fn, split_fn, layout, cost, list(xs), specs, out_specs)
+    if not layout.explicit:
+      return run(stacks)
+    # Explicit axes: exchange in Auto mode, hand the results back typed as wanted.
+    wanted = out_specs if out_specs is not None else [P()] * len(stacks)
+    stacks = [jax.sharding.reshard(x, NamedSharding(layout.mesh, spec))
+              for x, spec in zip(stacks, specs)]
+    return jax.sharding.auto_axes(run, out_sharding=[NamedSharding(layout.mesh, spec)
+                                                     for spec in wanted])(stacks)
 
   return solve

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -51,12 +52,14 @@ def _aol(x: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array]:
   return s * x, s * r * _t(s)
 
 
-def _standard_iterate(x, r, coeffs, mm, reduce: Reduce = _whole):
+def _standard_iterate(x, r, coeffs, mm, reduce: Reduce = _whole, square=None):
   """X ← a X + (b A + c A²) X with A = X Xᵀ; three matmuls per step on X itself.
-  `r` is A for the first step when the preconditioner already formed it."""
+  `r` is A for the first step when the preconditioner already formed it; `square`
+  forms the m×m product A² (default: `mm`)."""
+  square = square or mm
   for i, (a, b, c) in enumerate(coeffs):  # unrolled: steps is small and static
     gram = r if i == 0 and r is not None else reduce(mm(x, _t(x)), jnp.add)
-    poly = b * gram + c * mm(gram, gram)
+    poly = b * gram + c * square(gram, gram)
     x = a * x + mm(poly, x)
   return x
 
@@ -141,19 +144,28 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
   return _t(out) if tall else out
 
 
+# Turns a product mm(a, b) of m×m matrices held whole by every part into one that
+# computes only this part's block of rows and gathers the blocks from the other parts.
+RowSplit = Callable[[Callable], Callable]
+
+
 def newton_schulz_column_parts(x: jax.Array, parts: int, reduce: Reduce,
-                               ns: NS = DEFAULT_NS) -> jax.Array:
+                               ns: NS = DEFAULT_NS, rows: Optional[RowSplit] = None
+                               ) -> jax.Array:
   """`newton_schulz` of wide matrices whose columns are split into `parts` equal parts
   (one per device): `x` is this device's (..., m, n / parts) part, and
   `reduce(partial, op)` combines a per-part result over the parts (op `jnp.add` or
   `jnp.maximum`). Every sum over columns (norms, X Xᵀ) goes through it; the rest of
   the iteration is column-local, so each part of the result is that part of the whole
-  matrix's result, with the same variant and settings as `newton_schulz` picks."""
+  matrix's result, with the same variant and settings as `newton_schulz` picks.
+  `rows` splits the m×m products (A², and every Gram-space product) by rows over the
+  parts too, so that each part does 1/parts of all the work."""
   m, cols = x.shape[-2:]
-  return _orthogonalize_wide(x, (m, cols * parts), reduce, as_newton_schulz(ns))
+  return _orthogonalize_wide(x, (m, cols * parts), reduce, as_newton_schulz(ns), rows)
 
 
-def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz):
+def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz,
+                        rows: Optional[RowSplit] = None):
   """The iteration on wide (m ≤ n) matrices of logical (m, n) `shape`."""
   plan = newton_schulz_plan(shape, ns)
   cdt, precision = jnp.dtype(plan.compute_dtype), jax.lax.Precision[plan.precision]
@@ -171,8 +183,10 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz):
     out, r = _aol(out, reduce(mm(out, _t(out)), jnp.add))
   else:
     out = _frobenius_normalize(out, ns.safety(), reduce)
+  split = rows or (lambda product: product)
   if plan.variant == "gram":
-    out = _gram_iterate(out, r, coeffs, mm, lambda a, b: mm(a, b, acc), plan.segments, reduce)
+    out = _gram_iterate(out, r, coeffs, mm, split(lambda a, b: mm(a, b, acc)), plan.segments,
+                        reduce)
   else:
-    out = _standard_iterate(out, r, coeffs, mm, reduce)
+    out = _standard_iterate(out, r, coeffs, mm, reduce, split(mm))
   return out.astype(x.dtype)

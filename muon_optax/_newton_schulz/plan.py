@@ -122,6 +122,8 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
     gram · 4 steps · aol · float32 operands, float32 accumulation · precision HIGHEST
   """
   ns = as_newton_schulz(ns)
+  if len(shape) < 2:
+    raise ValueError(f"newton_schulz_plan needs a shape (..., m, n), got {tuple(shape)}")
   if ns.fn is not None:
     raise ValueError("newton_schulz_plan describes the built-in iteration; this NewtonSchulz "
                      "runs a custom fn.")

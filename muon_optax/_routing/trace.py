@@ -104,9 +104,11 @@ def _split_call(f, args) -> tuple[Callable[..., Any], Any, tuple]:
     # The params are what eqx.filter(model, eqx.is_inexact_array) keeps, at its paths.
     params, static = eqx.partition(module, eqx.is_inexact_array)
     return lambda p, *a, **k: call(eqx.combine(p, static), *a, **k), params, args
-  if linen is not None and isinstance(f, linen.Module):
-    raise ValueError("infer_routing got a Linen Module as f; pass its apply and variables: "
-                     "infer_routing(model.apply, variables, *args).")
+  if linen is not None and (isinstance(f, linen.Module)
+                            or (isinstance(f, type) and issubclass(f, linen.Module))):
+    what = "Module class" if isinstance(f, type) else "Module"
+    raise ValueError(f"infer_routing got a Linen {what} as f; pass an instance's apply and "
+                     "the variables: infer_routing(model.apply, variables, *args).")
   if not callable(f):
     raise ValueError(f"infer_routing's f must be callable, got a {type(f).__name__}; pass a "
                      "function f(params, *args) (for haiku: lambda p, x: model.apply(p, None, "

@@ -229,15 +229,18 @@ class Checkpointer:
     names = [n for n in sorted(os.listdir(directory)) if n != "commit_success.txt"]
     return os.path.join(directory, names[0]) if len(names) == 1 else directory
 
-  def restore(self, step: Optional[int] = None, *, params_target: Any, opt_state_target: Any,
-              verify: bool = True) -> Restored:
+  def restore(self, step: Optional[int] = None, *, params_target: Any,
+              opt_state_target: Any = None, verify: bool = True) -> Restored:
     """Reads checkpoint `step` (default: the latest) into the given targets.
 
     Args:
       step: which checkpoint; None for the latest.
       params_target, opt_state_target: arrays or `jax.ShapeDtypeStruct`s giving the
         structure, dtypes and shardings to restore into, e.g. from `abstract_target`.
-        A leaf without a sharding lands on the default device.
+        A leaf without a sharding lands on the default device. With no
+        `opt_state_target`, the params alone are read (and `opt_state` is None): the
+        way to keep a run's params and start another optimizer afresh, with
+        `tx.init(params)`.
       verify: check the restored arrays against the checksums saved with them (if
         `save` wrote any), and the checkpoint's metadata files against their CRC-32s.
 
@@ -257,14 +260,19 @@ class Checkpointer:
     step = self._step(step)
     self._check_files(step, contents=verify)
     saved = self.metadata(step)
-    params_t, state_t = _abstract(params_target), _abstract(opt_state_target)
-    # The AdamW backends share one (count, mu, nu) layout, so a state saved under one
-    # reads straight into another's target.
-    _record.check_fits(saved, self.record(params_t, state_t),
-                       f"checkpoint step {step} in {self.directory} ")
+    where = f"checkpoint step {step} in {self.directory} "
+    params_t = _abstract(params_target)
+    trees = {"params": params_t}
+    if opt_state_target is None:
+      _record.check_params_fit(saved, _record.leaves(params_t), where)
+    else:
+      trees["opt_state"] = _abstract(opt_state_target)
+      # The AdamW backends share one (count, mu, nu) layout, so a state saved under one
+      # reads straight into another's target.
+      _record.check_fits(saved, self.record(params_t, trees["opt_state"]), where)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(params_t), opt_state=ocp.args.StandardRestore(state_t)))
+          **{tree: ocp.args.StandardRestore(target) for tree, target in trees.items()}))
     except Exception as e:  # a data file that no longer decodes; anything else as it is
       failure = _files.read_failure(e)
       if failure is None:
@@ -275,7 +283,7 @@ class Checkpointer:
           f"could not be read from {failure.store} ({failure.message})") from e
     if verify and "checksums" in saved:
       self._verify(step, saved["checksums"], restored)
-    return Restored(step, restored["params"], restored["opt_state"], saved.get("user", {}))
+    return Restored(step, restored["params"], restored.get("opt_state"), saved.get("user", {}))
 
   def _verify(self, step: int, saved: dict, restored: Any) -> None:
     """A CorruptCheckpointError listing the restored arrays whose checksum differs."""
@@ -283,9 +291,9 @@ class Checkpointer:
       raise ValueError(f"checkpoint step {step} in {self.directory} has checksums of kind "
                        f"{saved.get('algorithm')!r}; restore with verify=False, or upgrade "
                        "muon_optax to check them.")
-    sums = _checksum.checksums_of([restored["params"], restored["opt_state"]])
-    computed = {"params": sums[0], "opt_state": sums[1]}
-    lines = _record.checksum_differences(saved, computed)
+    trees = [t for t in ("params", "opt_state") if t in restored]
+    computed = dict(zip(trees, _checksum.checksums_of([restored[t] for t in trees])))
+    lines = _record.checksum_differences({t: saved[t] for t in trees}, computed)
     if lines:
       trees = sorted({line.split(" ", 1)[0] for line in lines})
       where = " and ".join(os.path.join(self._step_dir(step), t) for t in trees)

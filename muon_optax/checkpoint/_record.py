@@ -127,14 +127,34 @@ def listing(lines: list[str], noun: str = "difference") -> str:
   return f"{len(lines)} {noun}{'s' if len(lines) > 1 else ''}:\n  {shown}{more}"
 
 
-def check_fits(saved: dict, current: dict, where: str) -> None:
-  """Raises a ValueError listing what keeps checkpoint record `saved` from restoring into
-  a target whose record is `current`: newer format, removed AdamW layout, different
-  params (tree, shape, dtype), routing labels, AdamW state places or state leaves."""
+def check_params_fit(saved: dict, params: dict, where: str) -> None:
+  """Raises a ValueError listing what keeps the checkpoint's params from restoring into a
+  params target of record `params` (`leaves`): tree, shapes, dtypes."""
+  _check_format(saved, where)
+  lines = differences("parameter", saved["params"], params, ("shape", "dtype"))
+  if lines:
+    raise ValueError(where + "does not fit the restore target: " + listing(lines))
+
+
+def _check_format(saved: dict, where: str) -> None:
   if saved.get("format", 0) > FORMAT:
     raise ValueError(
         f"{where}was written by muon_optax {saved.get('muon_optax_version')} in a newer "
         "format; upgrade muon_optax to read it.")
+
+
+# What follows a state mismatch when the params agree: most often another optimizer.
+FRESH_STATE = ("The params agree, so the optimizer state is another optimizer's (or another "
+               "chain's): to keep the params and start this optimizer afresh, restore the "
+               "params alone, restore(params_target=...) without opt_state_target, then "
+               "tx.init(params).")
+
+
+def check_fits(saved: dict, current: dict, where: str) -> None:
+  """Raises a ValueError listing what keeps checkpoint record `saved` from restoring into
+  a target whose record is `current`: newer format, removed AdamW layout, different
+  params (tree, shape, dtype), routing labels, AdamW state places or state leaves."""
+  _check_format(saved, where)
   removed = {p: b for p, b in saved.get("adam_backends", {}).items() if b in REMOVED}
   if removed:
     raise ValueError(
@@ -146,21 +166,24 @@ def check_fits(saved: dict, current: dict, where: str) -> None:
     both = saved["routing"].keys() & current["routing"].keys()
     lines += differences("parameter", {p: saved["routing"][p] for p in both},
                          {p: current["routing"][p] for p in both}, ("label",))
+  hint = ""
   if not lines and saved["adam_backends"].keys() != current["adam_backends"].keys():
     lines.append(f"AdamW states at {sorted(saved['adam_backends'])} in the checkpoint but at "
                  f"{sorted(current['adam_backends'])} in the target")
+    hint = "\n" + FRESH_STATE
   if not lines:  # state leaves differ only through the params; list them when those agree
     lines = differences("optimizer state leaf", saved["opt_state"], current["opt_state"],
                         ("shape", "dtype"))
+    hint = "\n" + FRESH_STATE if lines else ""
   if lines:
-    raise ValueError(where + "does not fit the restore target: " + listing(lines))
+    raise ValueError(where + "does not fit the restore target: " + listing(lines) + hint)
 
 
 def checksum_differences(saved: dict, restored: dict) -> list[str]:
   """One line per array whose checksum after restore differs from the one saved; both
   map "params" and "opt_state" to path -> checksum."""
   lines = []
-  for tree in ("params", "opt_state"):
+  for tree in saved.keys() & {"params", "opt_state"}:
     for path, expected in sorted(saved[tree].items()):
       actual = restored[tree].get(path)
       if actual != expected:

@@ -1,0 +1,340 @@
+"""Distributed Muon at pod scale, compiled and read, never run: flops, bytes, memory.
+
+For real model shapes (`8b`: Llama-3-8B; `70b`: 80 layers, width 8192, ffn 28672;
+`moe`: Mixtral-like, experts stacked (8, 4096, 14336)) it compiles `tx.update` on
+abstract `ShapeDtypeStruct(sharding=...)` arguments for N simulated CPU devices
+(`--platform cpu`) or for a TPU v5p topology (`--platform tpu`, the real TPU compiler,
+offline: needs libtpu, the `tpu` extra), one process per device count, and reads:
+
+- collectives by kind, from the compiled HLO (`benchmarks.hlo.collective_stats`);
+- exchange bytes (all-to-alls and whole-mesh all-gathers, received per device) over the
+  minimal (n−1)/n · (Muon bytes / n) in and the same out (ZeRO-1: out is every update,
+  AdamW's too, to every device, (n−1)/n · all param bytes); the split matrices' own
+  traffic (Gram sums: all-reduces; rows of the m×m products: all-gathers within a
+  group) is its own column;
+- flops per device (`cost_analysis`) over the ideal: the Newton–Schulz flops of every
+  Muon matrix (`newton_schulz_plan`) divided by n;
+- temp memory (`memory_analysis().temp_size_in_bytes`) over the Muon state shard
+  (Muon leaves' bytes / n); on TPU also the whole per-chip footprint against 95 GB HBM;
+- compile time.
+
+Layouts: `fsdp` (params split by `mo.fsdp_shardings`), `zero1` (replicated params),
+`2d` (a data × fsdp mesh with `data_axis=("data", "fsdp")`). Arms: muon_optax, and
+optax.contrib.muon (same routing) and optax.adamw where asked. Rows go to `--out` as
+JSON lines as they are measured; a row already there is not measured again, so a long
+sweep resumes where it stopped. `--plan-only` prints the planner's own per-device flops
+over the ideal up to any device count, for the CPU and the GPU defaults, without
+compiling.
+
+    python -m benchmarks.scale --model 8b 70b moe --devices 8 64 256 1024
+    python -m benchmarks.scale --platform tpu --devices 64 256
+    python -m benchmarks.scale --plan-only --devices 8 64 256 1024 4096
+    python -m benchmarks.scale --model 8b --layers 2 --devices 8 --out /tmp/s.jsonl  # smallest
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+MODELS = {  # layers, width, ffn, kv width, experts (0: dense)
+    "8b": (32, 4096, 14336, 1024, 0),
+    "70b": (80, 8192, 28672, 1024, 0),
+    "moe": (32, 4096, 14336, 1024, 8),
+}
+TPU_TOPOLOGIES = {8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+                  256: "4x8x8", 512: "8x8x8"}
+HBM_BYTES = 95e9  # one v5p chip
+ARMS = ("muon_optax", "optax.contrib.muon", "optax.adamw")
+
+
+def model_tree(model: str, layers: Optional[int] = None) -> dict:
+  """The model's params as float32 ShapeDtypeStructs; names route as the default rules do
+  (embedding, head, norms to AdamW; attention and MLP kernels to Muon)."""
+  import jax
+  import jax.numpy as jnp
+  depth, d, ffn, kv, experts = MODELS[model]
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  e = (experts,) if experts else ()
+
+  def block():
+    return {"attn": {"q": {"kernel": s(d, d)}, "k": {"kernel": s(d, kv)},
+                     "v": {"kernel": s(d, kv)}, "o": {"kernel": s(d, d)}},
+            "mlp": {"gate": {"kernel": s(*e, d, ffn)}, "up": {"kernel": s(*e, d, ffn)},
+                    "down": {"kernel": s(*e, ffn, d)}},
+            "attn_norm": {"scale": s(d)}, "mlp_norm": {"scale": s(d)}}
+
+  tree = {f"layer{i:02d}": block() for i in range(depth if layers is None else layers)}
+  tree["embed"] = {"embedding": s(128256, d)}
+  tree["lm_head"] = {"kernel": s(d, 128256)}
+  tree["final_norm"] = {"scale": s(d)}
+  return tree
+
+
+def muon_matrices(params) -> list[tuple[int, int, int]]:
+  """(count, rows ≤ cols) of every Muon leaf's matrices, as the default routing sees them."""
+  import jax
+
+  import muon_optax as mo
+  routing = mo.Routing.from_rules()
+  out = []
+  labels = jax.tree_util.tree_leaves_with_path(mo.label_params(params))
+  leaves = jax.tree.leaves(params)
+  for (path, label), leaf in zip(labels, leaves):
+    if label == "muon":
+      name = "/".join(str(getattr(k, "key", k)) for k in path)
+      count, fan_in, fan_out = routing.view(name, leaf.shape).matrix_shape(leaf.shape)
+      out.append((count, min(fan_in, fan_out), max(fan_in, fan_out)))  # wide, as NS runs
+  return out
+
+
+def ideal_flops(matrices, devices: int, ns) -> float:
+  import muon_optax as mo
+  return sum(c * mo.newton_schulz_plan((r, k), ns).flops for c, r, k in matrices) / devices
+
+
+def _mesh(devices, layout: str):
+  from jax.sharding import AxisType, Mesh
+  n = len(devices)
+  if layout == "2d":
+    fsdp = 8 if n >= 16 else 2
+    return Mesh(np.asarray(devices).reshape(n // fsdp, fsdp), ("data", "fsdp"),
+                axis_types=(AxisType.Auto,) * 2), ("data", "fsdp")
+  return Mesh(np.asarray(devices).reshape(n), ("data",), axis_types=(AxisType.Auto,)), "data"
+
+
+def _optimizer(arm: str, mesh, layout: str, data_axis, exchanges: Optional[int] = None):
+  import optax
+
+  import muon_optax as mo
+  if arm == "optax.adamw":
+    return optax.adamw(3e-4)
+  if arm == "optax.contrib.muon":
+    import jax
+    dims = optax.contrib.MuonDimensionNumbers()
+    return optax.contrib.muon(0.02, muon_weight_dimension_numbers=lambda p: jax.tree.map(
+        lambda label: dims if label == "muon" else None, mo.label_params(p)))
+  params = "replicated" if layout == "zero1" else "sharded"
+  extra = {} if exchanges is None else {"exchanges": exchanges}
+  return mo.muon(0.02, mesh=mo.MeshLayout(mesh, params=params, data_axis=data_axis, **extra),
+                 adam=mo.AuxAdam(backend="optax"))
+
+
+def measure(model: str, layout: str, arm: str, devices, platform: str,
+            layers: Optional[int], exchanges: Optional[int] = None) -> dict[str, Any]:
+  """Compiles one update and reads its figures (see the module doc)."""
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import muon_optax as mo
+  from benchmarks.hlo import collective_ops, collective_stats
+  mesh, data_axis = _mesh(devices, layout)
+  n = mesh.size
+  params = model_tree(model, layers)
+  shard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
+           else mo.fsdp_shardings(params, mesh, data_axis=data_axis))
+  params = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
+                        params, shard)
+  tx = _optimizer(arm, mesh, layout, data_axis, exchanges)
+  state_shard = mo.state_shardings(tx, params, mesh, data_axis=data_axis)
+  state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                       jax.eval_shape(tx.init, params), state_shard)
+  start = time.perf_counter()
+  compiled = jax.jit(tx.update, out_shardings=(shard, state_shard)).lower(
+      params, state, params).compile()
+  seconds = time.perf_counter() - start
+  stats = collective_stats(compiled.as_text())
+  memory = compiled.memory_analysis()
+  matrices = muon_matrices(params)
+  muon_bytes = 4 * sum(c * r * k for c, r, k in matrices)
+  # ZeRO-1: every device receives every update it did not compute, AdamW's included.
+  back = (4 * sum(math.prod(p.shape) for p in jax.tree.leaves(params)) if layout == "zero1"
+          else muon_bytes / n)
+  minimal = (n - 1) / n * (muon_bytes / n + back)
+  # The exchange: every all-to-all (in, out, and among the devices of a residue for
+  # block-wise parts) and the all-gathers over the whole mesh (ZeRO-1's results). The
+  # split matrices' own work: all-reduces (Gram sums) and all-gathers within a group
+  # (rows of the m×m products).
+  ops = collective_ops(compiled.as_text())
+  exchange = sum(b for op, g, b in ops if op == "all-to-all" or (op == "all-gather" and g == n))
+  split_work = sum(b for op, g, b in ops if op == "all-reduce" or (op == "all-gather" and g < n))
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  row = {"model": model, "layers": layers or MODELS[model][0], "layout": layout, "arm": arm,
+         "exchanges": exchanges if arm == "muon_optax" else None,
+         "platform": platform, "devices": n, "compile_s": round(seconds, 1),
+         "collectives": {k: v for k, v in stats.items() if v[0]},
+         "exchange_bytes": exchange, "minimal_bytes": minimal,
+         "split_bytes": split_work,
+         "flops": cost.get("flops", 0.0), "ideal_flops": ideal_flops(matrices, n, mo.NewtonSchulz()),
+         "temp_bytes": memory.temp_size_in_bytes, "muon_state_shard_bytes": muon_bytes / n,
+         "argument_bytes": memory.argument_size_in_bytes,
+         "output_bytes": memory.output_size_in_bytes}
+  return row
+
+
+def _key(row) -> tuple:
+  return (row["model"], row["layers"], row["layout"], row["arm"], row["platform"], row["devices"],
+          row.get("exchanges"))
+
+
+def _done(out: pathlib.Path) -> set:
+  if not out.exists():
+    return set()
+  return {_key(json.loads(line)) for line in out.read_text().splitlines() if line.strip()}
+
+
+def _child(args) -> None:
+  """Measures every asked case at one device count, appending each row to --out."""
+  import jax
+  if args.platform == "tpu":
+    from jax.experimental import topologies
+    devices = topologies.get_topology_desc(f"v5p:{TPU_TOPOLOGIES[args.count]}", "tpu").devices
+  else:
+    devices = jax.devices()[:args.count]
+  done = _done(args.out)
+  for model in args.model:
+    for layout in args.layouts:
+      if layout == "zero1" and args.count > args.zero1_max:
+        continue
+      for arm in args.arms:
+        if arm == "optax.contrib.muon" and args.count > args.contrib_max:
+          continue
+        exchanges = args.exchanges if arm == "muon_optax" else None
+        key = (model, args.layers or MODELS[model][0], layout, arm, args.platform, args.count,
+               exchanges)
+        if key in done:
+          continue
+        try:
+          row = measure(model, layout, arm, devices, args.platform, args.layers, exchanges)
+        except Exception as e:  # a failed compile is a row too: it says what failed
+          row = dict(zip(("model", "layers", "layout", "arm", "platform", "devices",
+                          "exchanges"), key),
+                     error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        with args.out.open("a") as f:
+          f.write(json.dumps(row) + "\n")
+        print(_line(row), flush=True)
+
+
+def _line(row) -> str:
+  arm = row["arm"] + (f" x{row['exchanges']}" if row.get("exchanges") else "")
+  head = (f"{row['model']:>4} L{row['layers']:<3} {row['layout']:<5} {row['platform']:<3} "
+          f"{row['devices']:>5} {arm:<18}")
+  if "error" in row:
+    return f"{head} FAILED: {row['error']}"
+  kinds = {"all-to-all": "A2A", "all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS",
+           "collective-permute": "CP"}
+  coll = " ".join(f"{n}{kinds[k]}" for k, (n, _) in row["collectives"].items()) or "none"
+  ratio = lambda a, b: f"{a / b:.2f}" if b else "—"
+  hbm = ""
+  if row["platform"] == "tpu":
+    total = row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"]
+    hbm = f" {total / 1e9:6.1f} GB ({total / HBM_BYTES:.0%} HBM)"
+  return (f"{head} {coll:<16} {ratio(row['exchange_bytes'], row['minimal_bytes']):>7} "
+          f"{row['split_bytes'] / 1e6:>9.1f} {ratio(row['flops'], row['ideal_flops']):>7} "
+          f"{ratio(row['temp_bytes'], row['muon_state_shard_bytes']):>7} "
+          f"{row['compile_s']:>7.1f}{hbm}")
+
+
+HEADER = (f"{'':>4} {'':4} {'layout':<5} {'':<3} {'dev':>5} {'arm':<18} {'collectives':<16} "
+          f"{'B/min':>7} {'split MB':>9} {'F/ideal':>7} {'T/shard':>7} {'compile':>7}")
+
+
+def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
+  """The planner's per-device Newton–Schulz flops over the ideal, no compiling."""
+  import muon_optax as mo
+  from muon_optax._distributed.sharded_ns import per_device_flops
+  defaults = {"cpu": mo.NewtonSchulz(),
+              "gpu": mo.NewtonSchulz(compute_dtype="bfloat16", precision="default")}
+  lines = [f"{'model':>5} {'defaults':>8} " + " ".join(f"{n:>7}" for n in devices)]
+  for model in models:
+    matrices = muon_matrices(model_tree(model))
+    for name, ns in defaults.items():
+      cells = []
+      for n in devices:
+        # The state splits the long side (the columns) over the n devices where it can:
+        # column parts are cut from those blocks, zero-padded where they do not divide.
+        blocks = [n if k % n == 0 else 1 for _, _, k in matrices]
+        flops = per_device_flops(matrices, n, ns, _groups(n), col_blocks=blocks)
+        cells.append(flops / ideal_flops(matrices, n, ns))
+      lines.append(f"{model:>5} {name:>8} " + " ".join(f"{c:>7.2f}" for c in cells))
+  return "\n".join(lines)
+
+
+def _groups(n: int) -> tuple[int, ...]:
+  """The group sizes a 1-D mesh of n devices reduces over (its prime factors, largest
+  first, as `FactorMesh` cuts it)."""
+  primes, rest, p = [], n, 2
+  while rest > 1:
+    while rest % p == 0:
+      primes.append(p)
+      rest //= p
+    p += 1
+  primes.sort(reverse=True)
+  return tuple(sorted({math.prod(primes[k:]) for k in range(len(primes))} - {1}))
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])
+  p.add_argument("--devices", type=int, nargs="+", default=[8, 64, 256])
+  p.add_argument("--layouts", nargs="+", choices=["fsdp", "zero1", "2d"], default=["fsdp", "zero1"])
+  p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+  p.add_argument("--platform", choices=["cpu", "tpu"], default="cpu")
+  p.add_argument("--layers", type=int, default=None, help="fewer layers than the model has")
+  p.add_argument("--exchanges", type=int, default=None,
+                 help="MeshLayout(exchanges=...) for muon_optax (default: its default)")
+  p.add_argument("--zero1-max", type=int, default=64, help="largest device count for ZeRO-1")
+  p.add_argument("--contrib-max", type=int, default=64,
+                 help="largest device count for optax.contrib.muon (its compile grows fast)")
+  p.add_argument("--plan-only", action="store_true", help="the planner's flops table alone")
+  p.add_argument("--out", type=pathlib.Path, default=RESULTS / "scale.jsonl")
+  p.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # child process
+  return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  args = parser().parse_args(argv)
+  if args.count is not None:
+    return _child(args)
+  from benchmarks.common import header
+  print(header("benchmarks.scale", argv))
+  if args.plan_only:
+    print("Planner's Newton–Schulz flops per device / ideal (1-D mesh), no compile:")
+    print(plan_table(args.devices, args.model))
+    return None
+  if args.platform == "tpu":
+    bad = [n for n in args.devices if n not in TPU_TOPOLOGIES]
+    if bad:
+      parser().error(f"--devices {bad}: TPU v5p topologies here are {sorted(TPU_TOPOLOGIES)}")
+  print(HEADER + "\n" + "-" * len(HEADER))
+  forwarded = [a for a in (sys.argv[1:] if argv is None else list(argv))]
+  for n in args.devices:
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    if args.platform == "cpu":
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                          f" --xla_force_host_platform_device_count={n}").strip()
+    subprocess.run([sys.executable, "-m", "benchmarks.scale", *forwarded, "--count", str(n)],
+                   env=env, check=True)
+  print("B/min: exchange bytes (all-to-alls, whole-mesh all-gathers) over minimal; split MB: "
+        "bytes per device of the split matrices' Gram sums (all-reduces) and row gathers "
+        "(all-gathers within a group); F/ideal: flops per device over the ideal; T/shard: "
+        "temp memory over the Muon state shard.")
+  return None
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,77 @@
+"""`MeshLayout`: the mesh an optimizer runs on, and how the params lie on it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+from jax.sharding import Mesh
+
+from muon_optax._distributed.layouts import DataAxis, data_axes, is_explicit
+
+PARAM_LAYOUTS = ("auto", "sharded", "replicated")
+EXCHANGES = 4  # measured on the TPU compiler: benchmarks/results/scale_tpu.jsonl
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+  """Where the distributed update runs and where its results go.
+
+  The exchange and the packed gather are `jax.shard_map`s, so they must be told the
+  layouts that `custom_partitioning` used to read from XLA: the state lies as
+  `state_shardings(tx, params, mesh, data_axis)` lays it out, and the updates are wanted
+  like the params.
+
+  Attributes:
+    mesh: the device mesh; Newton–Schulz work is dealt over all its devices.
+    params: "sharded" (FSDP / ZeRO-3: updates stay split like the state), "replicated"
+      (ZeRO-1: every device gets every update, in one packed all-gather), or "auto":
+      read from the params' types on an Explicit mesh, "sharded" on an Auto one (whose
+      arrays carry no layout while traced). A wrong guess costs collectives, never
+      correctness.
+    data_axis: the state's data-parallel axis or axes, as given to `state_shardings`
+      (default "data", or every mesh axis if the mesh has none of that name).
+    exchanges: the matrices travel in this many exchanges, one after another, each
+      with its own collectives in and out: more bound the peak memory of the buffers
+      and Newton–Schulz temporaries lower, at two collectives each.
+
+  Example:
+    >>> import jax, muon_optax as mo
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = mo.muon(0.02, mesh=mo.MeshLayout(mesh, params="replicated"))  # ZeRO-1
+  """
+
+  mesh: Mesh
+  params: str = "auto"
+  data_axis: DataAxis = "data"
+  exchanges: int = EXCHANGES
+
+  def __post_init__(self):
+    if not isinstance(self.mesh, Mesh):
+      raise ValueError(f"MeshLayout needs a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
+    if self.params not in PARAM_LAYOUTS:
+      raise ValueError(f"MeshLayout(params={self.params!r}): choose one of {list(PARAM_LAYOUTS)}.")
+    if not isinstance(self.exchanges, int) or self.exchanges < 1:
+      raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer.")
+    axis = self.data_axis
+    if axis == "data" and "data" not in self.mesh.axis_names:
+      axis = tuple(self.mesh.axis_names)
+    object.__setattr__(self, "data_axis", data_axes(self.mesh, axis))
+
+  @property
+  def explicit(self) -> bool:
+    return is_explicit(self.mesh)
+
+  def gathers(self) -> bool:
+    """Whether updates are wanted replicated (ZeRO-1) when the types do not say."""
+    return self.params == "replicated"
+
+
+def as_mesh_layout(mesh: Union[None, Mesh, MeshLayout, Any]):
+  """The `MeshLayout` meant by a `mesh=` argument (None stays None)."""
+  if mesh is None or isinstance(mesh, MeshLayout):
+    return mesh
+  if isinstance(mesh, Mesh):
+    return MeshLayout(mesh)
+  raise ValueError(f"mesh= takes a jax.sharding.Mesh or a muon_optax.MeshLayout, got "
+                   f"{type(mesh).__name__}.")

@@ -1,0 +1,137 @@
+"""The distributed Newton–Schulz plan on its own: no mesh, no compile (the exchange that
+runs it is tested on 8 devices in test_distributed.py and for TPU in test_tpu_compile.py)."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import muon_optax as mo
+from muon_optax._distributed.sharded_ns import (
+  SPLIT_TOLERANCE,
+  FactorMesh,
+  by_blocks,
+  layout_of,
+  padded_cols,
+  per_device_flops,
+  plan_rounds,
+  rows_split,
+  split_flops,
+)
+from muon_optax._newton_schulz.plan import newton_schulz_flops
+
+NS = mo.NewtonSchulz()
+
+
+def covers_every_matrix_once(shapes, rounds):
+  """Each matrix appears in exactly `split` slots of rounds of its own shape."""
+  seen = {}
+  for r in rounds:
+    for item in r.slots:
+      if item is not None:
+        assert shapes[item[0]][1:] == (r.rows, r.cols), (item, r)
+        seen[item] = seen.get(item, 0) + 1
+        assert seen[item] <= r.split
+  assert set(seen) == {(i, j) for i, (c, _, _) in enumerate(shapes) for j in range(c)}
+
+
+def ideal(shapes, devices):
+  return sum(c * newton_schulz_flops(m, n, NS) for c, m, n in shapes) / devices
+
+
+def test_shapes_never_share_a_round_and_every_matrix_runs_once():
+  shapes = [(5, 32, 128), (3, 64, 64), (1, 24, 40), (9, 16, 48)]
+  rounds = plan_rounds(shapes, 8)
+  covers_every_matrix_once(shapes, rounds)
+
+
+def test_full_rounds_stay_whole_and_the_rest_is_split_to_fill_the_devices():
+  # 12 matrices on 8 devices: one round of whole matrices, the 4 left split by pairs.
+  rounds = plan_rounds([(12, 64, 256)], 8)
+  assert [r.split for r in rounds] == [1, 2]
+  assert all(None not in r.slots for r in rounds)
+  assert per_device_flops([(12, 64, 256)], 8) == pytest.approx(ideal([(12, 64, 256)], 8), rel=1e-6)
+
+
+def test_a_plan_within_tolerance_splits_nothing():
+  # 4 leftovers of a small shape next to 16 big ones: whole, the plan is within 5%.
+  shapes = [(16, 256, 1024), (4, 16, 16)]
+  rounds = plan_rounds(shapes, 8)
+  assert all(r.split == 1 for r in rounds)
+  assert per_device_flops(shapes, 8) <= SPLIT_TOLERANCE * ideal(shapes, 8)
+
+
+def test_split_work_is_an_even_share_when_rows_split_too():
+  assert rows_split(64, 4) and not rows_split(40, 16) and not rows_split(64, 1)
+  whole = newton_schulz_flops(64, 256, NS)
+  assert split_flops(64, 256, 4, NS) == whole // 4
+  # Rows that do not divide: the m×m products repeat on each device of the group.
+  assert split_flops(40, 256, 16, NS) > whole // 16
+
+
+def test_splits_respect_what_the_layout_allows():
+  # A block of 2 columns cannot be cut into 4 column parts: the plan does not ask it.
+  ok = lambda item, g: g <= 2
+  rounds = plan_rounds([(2, 64, 256)], 8, split_ok=ok)
+  assert max(r.split for r in rounds) <= 2
+  covers_every_matrix_once([(2, 64, 256)], rounds)
+
+
+@pytest.mark.parametrize("devices", [64, 256])
+def test_llama_8b_shapes_within_the_ideal_flops(devices):
+  # q/o 4096², k/v 4096×1024, gate/up/down 4096×14336 (wide), 32 layers; the state
+  # splits columns in blocks of cols / devices, which bounds the column parts.
+  shapes = [(64, 4096, 4096), (64, 1024, 4096), (96, 4096, 14336)]
+  width = [n // devices for _, _, n in shapes]
+  fits = lambda item, g: width[item[0]] % g == 0
+  flops = per_device_flops(shapes, devices, NS, split_ok=fits)
+  assert flops <= 1.10 * ideal(shapes, devices)
+
+
+@pytest.mark.parametrize("shape, axes, groups", [
+    ((8,), ("data",), (2, 4, 8)),
+    ((4, 2), ("data", "model"), (2, 4, 8)),
+    ((12,), ("data",), (2, 4, 12)),  # 12 = 3 · 2 · 2: the 2s last
+])
+def test_factor_mesh_keeps_device_order_and_names_groups(shape, axes, groups):
+  devices = np.asarray(jax.devices()[:1] * math.prod(shape), dtype=object)
+  mesh = jax.sharding.Mesh(devices.reshape(shape), axes)
+  factors = FactorMesh.of(mesh)
+  assert factors.groups() == groups
+  assert math.prod(factors.mesh.shape.values()) == math.prod(shape)
+  # Consecutive devices in the mesh's row-major order differ in the trailing axes.
+  for g in groups:
+    names = factors.group_axes(g)
+    assert math.prod(factors.mesh.shape[a] for a in names) == g
+    assert names == factors.mesh.axis_names[-len(names):]
+  assert factors.spec(jax.sharding.PartitionSpec(None, axes[0])) == jax.sharding.PartitionSpec(
+      None, factors.factors[axes[0]])
+
+
+def test_mesh_layout_is_checked_when_built():
+  mesh = jax.make_mesh((8,), ("data",))
+  assert mo.MeshLayout(mesh).data_axis == ("data",)
+  other = jax.make_mesh((4, 2), ("x", "y"))
+  assert mo.MeshLayout(other).data_axis == ("x", "y")  # no "data" axis: all of them
+  with pytest.raises(ValueError, match=r"MeshLayout\(params='zero1'\): choose one of"):
+    mo.MeshLayout(mesh, params="zero1")
+  with pytest.raises(ValueError, match="data axis 'batch' is not an axis"):
+    mo.MeshLayout(mesh, data_axis="batch")
+  with pytest.raises(ValueError, match="mesh= takes a jax.sharding.Mesh or a muon_optax.MeshLayout"):
+    mo.muon(0.02, mesh="data")
+
+
+def test_column_parts_take_whole_blocks_when_the_blocks_are_narrow():
+  # 24 columns over 8 devices: blocks of 3. A split of 8 cannot slice a block of 3, so
+  # part p takes the blocks p, p + 8, …: exact, no padding, and the plan costs it so.
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("data",))
+  factors = FactorMesh.of(mesh)
+  spec = factors.spec(jax.sharding.PartitionSpec(None, None, "data"))
+  lay = layout_of(jax.sharding.NamedSharding(factors.mesh, spec), (1, 16, 24), factors.mesh)
+  assert lay.grid == (1, 8) and lay.block == (16, 3)
+  assert by_blocks(lay, 8, 8) and by_blocks(lay, 2, 8)
+  assert not by_blocks(lay, 1, 8)
+  assert padded_cols(24, 8, 8) == 24 and padded_cols(24, 8, 16) == 8 * 16  # 1 column a slice
+  wide = layout_of(jax.sharding.NamedSharding(factors.mesh, spec), (1, 16, 64), factors.mesh)
+  assert not by_blocks(wide, 8, 8)  # blocks of 8 columns: sliced, 1 column per part
