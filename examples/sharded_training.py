@@ -56,6 +56,10 @@ def device_bytes(tree, device) -> int:
              if s.device == device)
 
 
+# Where each layout's params lie, which an Auto mesh's traced arrays do not say.
+PLACEMENT = {"zero1": "replicated", "fsdp": "sharded"}
+
+
 def train(args, layout: str, mesh, data) -> dict:
   cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads)
   graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
@@ -63,7 +67,8 @@ def train(args, layout: str, mesh, data) -> dict:
                     if layout == "zero1" else mo.fsdp_shardings(params, mesh))
   params = jax.device_put(params, param_sharding)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   mo.muon(args.lr, mesh=mesh, adam=mo.AuxAdam(args.adam_lr, b2=0.95)))
+                   mo.muon(args.lr, mesh=mo.MeshLayout(mesh, params=PLACEMENT[layout]),
+                           adam=mo.AuxAdam(args.adam_lr, b2=0.95)))
   state_sharding = mo.state_shardings(tx, params, mesh)
   opt_state = jax.jit(tx.init, out_shardings=state_sharding)(params)
   batch_sharding = NamedSharding(mesh, P("data"))

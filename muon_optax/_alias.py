@@ -63,7 +63,7 @@ def scale_by_muon(
   Every leaf it sees must have a matrix view; route other leaves elsewhere (`muon`
   does that for you). Arguments as in `muon`.
 
-  Example:
+  Examples:
     >>> import jax, optax, muon_optax as mo
     >>> tx = optax.chain(mo.scale_by_muon(), optax.scale(-0.02))
     >>> p = {"w": jax.random.normal(jax.random.key(0), (8, 16))}
@@ -173,15 +173,17 @@ def muon(
 
   Args:
     learning_rate: Muon's learning rate (≥ 0) or schedule.
-    beta, nesterov, mu_dtype: momentum settings (see `scale_by_muon_momentum`).
+    beta: the momentum's decay rate (see `scale_by_muon_momentum`).
+    nesterov: Nesterov's look-ahead (see `scale_by_muon_momentum`).
+    mu_dtype: the momentum's dtype (see `scale_by_muon_momentum`).
     ns: Newton–Schulz settings, a `NewtonSchulz` or a preset name (default "turbo": AOL
       preconditioning and 4 steps, Gram-space from aspect 2).
     scale: "jordan" √max(1, fan_out/fan_in), "moonlight" 0.2·√max(fan_in, fan_out),
       None (see `scale_by_shape`), or "adaptive": ⟨M̂, O⟩ times Jordan's factor, M̂
       the momentum without its start-up bias (see `scale_by_dual_norm`), as
       `optax.contrib.muon(adaptive=True)`.
-    weight_decay, weight_decay_mask: decoupled weight decay of the Muon branch; the
-      mask is over the full params, checked at init.
+    weight_decay: decoupled weight decay of the Muon branch.
+    weight_decay_mask: where it applies, over the full params, checked at init.
     adam: `AuxAdam` settings, or any optax transform, for the non-Muon leaves.
     adam_learning_rate: overrides `adam.learning_rate`; unlike a rate inside `AuxAdam`,
       `optax.inject_hyperparams` can inject it, like `learning_rate`.
@@ -205,7 +207,7 @@ def muon(
       settings. At init: a mask that does not fit the params; a leaf that cannot be
       updated as routed. At update: gradients that do not fit the params.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax, muon_optax as mo
     >>> params = {"embed": {"embedding": jnp.ones((10, 4))},
     ...           "mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
@@ -257,7 +259,7 @@ def normuon(
   Every other argument as in `muon`; the new state (one float32 per neuron) is
   partitioned by `state_shardings` like the rest.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> params = {"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
     >>> tx = mo.normuon(0.02, adam=mo.AuxAdam(3e-4))
@@ -301,7 +303,7 @@ def adamuon(
   AdamW has, so AdamW's learning rates transfer. Every other argument as in `muon`;
   the new state (a float32 per element) is partitioned like the momentum.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> params = {"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
     >>> tx = mo.adamuon(3e-3, adam=mo.AuxAdam(3e-4))

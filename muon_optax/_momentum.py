@@ -35,7 +35,7 @@ def scale_by_muon_momentum(
   Returns:
     An `optax.GradientTransformation`; updates keep the gradients' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> tx = mo.scale_by_muon_momentum(0.9)
     >>> g = {"w": jnp.ones((2, 2))}

@@ -135,7 +135,7 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
   Returns:
     A stateless `optax.GradientTransformation`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax, muon_optax as mo
     >>> tx = mo.orthogonalize("polar_express")
     >>> g = {"w": jax.random.normal(jax.random.key(0), (8, 16))}

@@ -160,7 +160,7 @@ def qk_clip(
     holding the q/k kernels and biases, and with `nnx.Optimizer.update(model, grads,
     max_logits=...)`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax, muon_optax as mo
     >>> params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))},
     ...                    "key": {"kernel": jnp.ones((8, 2, 4))}}}

@@ -39,7 +39,7 @@ def scale_by_shape(scale: Optional[str] = "jordan", *, routing: Any = None
 
   `routing` gives the matrix views (None: `default_view`).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> tx = mo.scale_by_shape("moonlight")
     >>> u, _ = tx.update({"w": jnp.ones((16, 64))}, tx.init(None))
@@ -78,7 +78,7 @@ def scale_by_dual_norm(orthogonalizer: optax.GradientTransformation, *, routing:
   Returns:
     A transform with `orthogonalizer`'s state.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> def polar(x):  # the exact polar factor, for the example
     ...   u, _, vt = jnp.linalg.svd(x, full_matrices=False)

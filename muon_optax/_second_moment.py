@@ -65,7 +65,7 @@ def scale_by_second_moment(
   Returns:
     An `optax.GradientTransformation` with a `SecondMomentState`.
 
-  Example:
+  Examples:
     >>> import jax, optax, muon_optax as mo
     >>> tx = optax.chain(mo.scale_by_muon_momentum(), mo.orthogonalize(),
     ...                  mo.scale_by_second_moment("neurons"), mo.scale_by_shape())

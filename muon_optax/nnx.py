@@ -64,7 +64,7 @@ def max_logit_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   The max is taken over q·k/√d before any additive `bias`, since that is the part
   QK-clip controls.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from muon_optax.nnx import max_logit_attention
     >>> q = k = v = jnp.ones((2, 5, 4, 8))        # (batch, length, heads, head_dim)
@@ -101,13 +101,14 @@ class ClipAttention(nnx.MultiHeadAttention):
   into `qk_clip`'s argument with `max_logits`.
 
   Args:
-    num_heads, in_features: as for `nnx.MultiHeadAttention`.
+    num_heads: as for `nnx.MultiHeadAttention`.
+    in_features: as for `nnx.MultiHeadAttention`.
     axis_name: max-reduce S_h over this mapped axis (inside `shard_map` only; under
       `jit` with a sharded batch the max is global already).
     **kwargs: any other `nnx.MultiHeadAttention` option; `decode=False` and
       `attention_fn` are what this module is (it sows the max logits and runs no cache).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from muon_optax.nnx import ClipAttention, max_logits
@@ -144,7 +145,7 @@ def max_logits(intermediates: Any) -> dict[str, jax.Array]:
   module above that name, any other leaf to its own path. A module that sowed
   several times (called more than once) gets the elementwise max of its entries.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from muon_optax.nnx import max_logits
     >>> max_logits({"attn": {"max_logits": (jnp.array([1., 5.]), jnp.array([3., 2.]))}})

@@ -1,6 +1,5 @@
 """The aux AdamW backends: optax's AdamW numbers, real and complex, from every backend."""
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,20 +150,11 @@ def test_mixed_dtypes_and_bfloat16_moments():
     assert_trees_close(p, out["reference"][0], rtol=0, atol=atol)
 
 
-class FlatAdamState(NamedTuple):  # the "flat" layout of earlier releases
-  count: jax.Array
-  mu: dict
-  nu: dict
-
-
 def test_backend_names_and_state_layouts_are_checked():
   with pytest.raises(ValueError, match=r"unknown AdamW backend 'fused'; use one of \('optax'"):
     mo.AuxAdam(backend="fused").transform()
-  for removed in ("flat", "auto"):
-    with pytest.raises(ValueError, match=rf"AdamW backend '{removed}' was removed .*use 'optax'"):
-      mo.AuxAdam(backend=removed).transform()
-    with pytest.raises(ValueError, match=rf"'{removed}' was removed"):
-      mo.muon(adam=mo.AuxAdam(backend=removed))
+  with pytest.raises(ValueError, match=r"unknown AdamW backend 'flat'"):
+    mo.muon(adam=mo.AuxAdam(backend="flat"))
   params = make_params()
   grads = jax.tree.map(jnp.ones_like, params)
   state = make_tx("reference").init(params)
@@ -172,8 +162,3 @@ def test_backend_names_and_state_layouts_are_checked():
   with pytest.raises(ValueError, match="expects a ScaleByAdamState but got a ReferenceAdamState"
                      r".*convert_adam_state\(state, params, 'optax'\)"):
     jax.eval_shape(make_tx("optax").update, grads, state, params)
-  buffers = {"float32": jnp.zeros(9)}
-  flat = FlatAdamState(jnp.zeros([], jnp.int32), buffers, buffers)
-  p = {"b": jnp.ones(3), "w": jnp.ones((2, 3))}
-  with pytest.raises(ValueError, match="'flat' was removed.*FlatAdamState cannot be read"):
-    mo.AuxAdam(backend="reference").transform().update(p, flat, p)

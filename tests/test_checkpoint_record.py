@@ -53,17 +53,6 @@ def test_identical_records_fit_and_backends_may_differ():
   _record.check_fits(saved, record(params, mo.muon(0.02, adam=mo.AuxAdam(backend="optax"))), "")
 
 
-def test_a_removed_adam_layout_says_what_to_do():
-  params = wide_params(2)
-  saved = record(params)
-  saved = {**saved, "muon_optax_version": "0.1.0",
-           "adam_backends": {"inner_states/adam/inner_state": "flat"}}
-  with pytest.raises(ValueError, match=r"holds AdamW state in a removed layout, "
-                     r"\{'inner_states/adam/inner_state': 'flat'\} \(written by muon_optax 0.1.0\)"
-                     r".*convert_adam_state\(state, params, 'optax'\) and save it again"):
-    _record.check_fits(saved, record(params), "")
-
-
 def test_a_newer_format_asks_for_an_upgrade():
   params = wide_params(1)
   saved = {**record(params), "format": _record.FORMAT + 1, "muon_optax_version": "9.0"}

@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as written, in order, in one namespace; and what
+"""Every ```python block of README.md and of the docs pages runs as written, in order, in one
+namespace; and what
 the README claims about optax.contrib.muon holds."""
 
 import json
@@ -13,6 +14,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# The README, then the guides in the site's order: their blocks run in one namespace,
+# each page building on the ones before it as a reader does.
+PAGES = [README] + [ROOT / "docs" / name for name in (
+    "routing.md", "family.md", "details.md", "meshes.md", "optax.md")]
+
+
+def documented_blocks() -> list[str]:
+  return [block for page in PAGES for block in python_blocks(page.read_text())]
 
 # Runs the blocks (a JSON list, argv[1]) in one namespace. Right after the first block
 # that builds an optax.contrib.muon, before later blocks can rebind its names, it runs
@@ -65,7 +74,7 @@ def python_blocks(text: str) -> list[str]:
 def readme_run(tmp_path_factory):
   """Runs README's blocks + the epilogue in a fresh process with 8 simulated devices."""
   tmp = tmp_path_factory.mktemp("readme")
-  (tmp / "blocks.json").write_text(json.dumps(python_blocks(README.read_text())))
+  (tmp / "blocks.json").write_text(json.dumps(documented_blocks()))
   (tmp / "epilogue.py").write_text(EPILOGUE)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
@@ -76,7 +85,7 @@ def readme_run(tmp_path_factory):
 
 
 def test_readme_has_python_blocks():
-  blocks = python_blocks(README.read_text())
+  blocks = documented_blocks()
   assert len(blocks) >= 4, "expected quickstart, nnx, mesh and optax blocks"
   assert all(b.strip() for b in blocks)
 

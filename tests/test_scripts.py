@@ -195,7 +195,10 @@ def test_scale_compiles_each_arm_once_and_resumes(tmp_path):
       (layout, arm) for layout in ("fsdp", "zero1")
       for arm in ("muon_optax", "optax.contrib.muon", "optax.adamw")]
   ours = rows[0]
-  assert "error" not in ours and ours["collectives"]["all-to-all"][0] == 2
+  assert "error" not in ours
+  # One all-to-all in and one out per exchange, the default MeshLayout.exchanges of them.
+  from muon_optax._distributed.mesh_layout import EXCHANGES
+  assert 2 <= ours["collectives"]["all-to-all"][0] <= 2 * EXCHANGES
   assert ours["flops"] <= 1.6 * ours["ideal_flops"]  # 14 matrices of 3 shapes for 8 devices
   again = run_module("benchmarks.scale", argv, timeout=120)  # all rows on disk: none redone
   assert len((tmp_path / "s.jsonl").read_text().splitlines()) == len(rows)
@@ -310,10 +313,11 @@ def test_docstring_commands_parse_and_show_the_smallest(module, tmp_path):
 
 
 def test_readme_commands_parse():
-  commands = documented_commands((ROOT / "README.md").read_text())
+  pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+  commands = [c for page in pages for c in documented_commands(page.read_text())]
   assert commands
   for module, argv in commands:
-    assert module in SCRIPTS, f"README.md runs {module}, which is no script"
+    assert module in SCRIPTS, f"the README or a docs page runs {module}, which is no script"
     parses(module, argv)
 
 

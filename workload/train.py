@@ -62,7 +62,9 @@ def make_optimizer(cfg: TrainConfig, routing: mo.Routing,
     tx = optax.adamw(adam_lr, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=hidden)
   else:
     alias, options = FAMILY[cfg.optimizer]
-    tx = alias(lr_schedule(cfg.peak_lr, cfg), weight_decay=cfg.weight_decay, mesh=mesh,
+    # ZeRO-1 (`place_data_parallel`): the params are replicated, the state split.
+    placed = None if mesh is None else mo.MeshLayout(mesh, params="replicated")
+    tx = alias(lr_schedule(cfg.peak_lr, cfg), weight_decay=cfg.weight_decay, mesh=placed,
                routing=routing, ns=cfg.ns, adam=mo.AuxAdam(adam_lr, b1=0.9, b2=0.95),
                **options)
   return optax.chain(optax.clip_by_global_norm(1.0), tx)

@@ -31,11 +31,6 @@ from muon_optax._util import paths, tree_fit, validate
 from muon_optax._util.types import Mask, ScalarOrSchedule
 
 BACKENDS = ("optax", "offload", "reference")
-# Backends of earlier releases, and what to use instead.
-REMOVED = {
-    "flat": "its per-dtype buffers were no faster than optax's per-leaf update",
-    "auto": "it always chose 'optax'",
-}
 
 
 class ReferenceAdamState(NamedTuple):
@@ -62,12 +57,6 @@ STATE_TYPES = {
 
 def check_backend(backend: Any) -> str:
   """`backend` if it names a backend, else a ValueError saying which names exist."""
-  if isinstance(backend, str) and backend in REMOVED:
-    raise ValueError(
-        f"the AdamW backend {backend!r} was removed ({REMOVED[backend]}); use 'optax' "
-        f"(the default), 'offload' or 'reference'. A saved FlatAdamState cannot be read: "
-        "convert it with the muon_optax release that wrote it, "
-        "muon_optax.convert_adam_state(state, params, 'optax'), and save it again.")
   if backend not in BACKENDS:
     raise ValueError(f"unknown AdamW backend {backend!r}; use one of {BACKENDS}.")
   return backend
@@ -83,28 +72,11 @@ def describe_state(state: Any) -> str:
   return f"a {kind}"
 
 
-def is_removed_layout(state: Any) -> bool:
-  """Whether `state` is a "flat" AdamW state of an earlier release (or its restored dicts):
-  count, and moments that are one 1-D buffer per dtype name."""
-  if type(state).__name__ == "FlatAdamState":
-    return True
-  mu = getattr(state, "mu", None)
-  if not isinstance(mu, Mapping) or not mu:
-    return False
-  try:
-    return all(isinstance(k, str) and jnp.dtype(k).name == k and jnp.ndim(v) == 1
-               for k, v in mu.items())
-  except TypeError:
-    return False
-
-
 def check_state(state: Any, backend: str) -> None:
   """A wrong state layout becomes a ValueError here, not a KeyError deep in the update."""
   expected = STATE_TYPES[backend]
   if isinstance(state, expected):
     return
-  if is_removed_layout(state):
-    check_backend("flat")
   raise ValueError(
       f"the AdamW backend {backend!r} expects a {expected.__name__} but got "
       f"{describe_state(state)}. Convert the state first: "
@@ -127,7 +99,8 @@ class AuxAdam:
 
   Args:
     learning_rate: a number ≥ 0 or a schedule of the step count.
-    b1, b2: decay rates in [0, 1).
+    b1: the first moment's decay rate, in [0, 1).
+    b2: the second moment's decay rate, in [0, 1).
     eps: denominator guard, > 0.
     weight_decay: decoupled weight decay ≥ 0, or a schedule.
     mask: a pytree of bools over the full params (or a prefix of them), or a callable
@@ -138,7 +111,7 @@ class AuxAdam:
       host memory, `pinned_host`, brought to the device for the step; see
       `offload_state`) or "reference" (AdamW written out, the test oracle).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> tx = mo.AuxAdam(0.1, backend="reference").transform()
     >>> p = {"z": jnp.array([1.0 + 0j])}

@@ -13,7 +13,6 @@ from muon_optax._adamw.backends import (
   OffloadAdamState,
   check_backend,
   describe_state,
-  is_removed_layout,
 )
 from muon_optax._util import paths
 
@@ -43,7 +42,7 @@ def convert_adam_state(state: Any, params: Any, to_backend: str, *, branch: str 
   Returns:
     `state` with its AdamW state in the layout of `to_backend`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> params = {"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
     >>> state = mo.muon(adam=mo.AuxAdam(backend="reference")).init(params)
@@ -64,7 +63,7 @@ def convert_adam_state(state: Any, params: Any, to_backend: str, *, branch: str 
       found.append(where)
       inner = _convert_one(inner, params, backend, where + ".inner_state")
       return node._replace(inner_states={**node.inner_states, branch: optax.MaskedState(inner)})
-    if isinstance(node, tuple(STATE_TYPES.values())) or is_removed_layout(node):
+    if isinstance(node, tuple(STATE_TYPES.values())):
       found.append(path)
       return _convert_one(node, params, backend, path)
     if isinstance(node, tuple) and hasattr(node, "_fields"):
@@ -97,11 +96,6 @@ def _adamw_chain_state(state: Any) -> Any:
 
 
 def _convert_one(state: Any, params: Any, backend: str, where: str) -> Any:
-  if is_removed_layout(state):
-    try:
-      check_backend("flat")
-    except ValueError as e:
-      raise ValueError(f"{where}: {e}") from None
   if not isinstance(state, tuple(STATE_TYPES.values())):
     raise _layout_error(state, where)
   for field in ("mu", "nu"):

@@ -104,7 +104,7 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
     An `optax.GradientTransformationExtraArgs` with `inner`'s state, in memory kind
     `pinned_host`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, muon_optax as mo
     >>> tx = mo.offload_state(mo.scale_by_muon_momentum(0.9))
     >>> params = jax.device_put({"w": jnp.ones((2, 2))}, jax.devices()[0])  # committed

@@ -117,7 +117,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
   Returns:
     A pytree of `NamedSharding` with the structure of `tx.init(params)`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, muon_optax as mo
     >>> params = {"mlp": {"kernel": jnp.ones((16, 32)), "bias": jnp.zeros(32)}}
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -150,7 +150,7 @@ def fsdp_shardings(params: Any, mesh: Mesh, data_axis: DataAxis = "data") -> Any
   """FSDP / ZeRO-3 layout of `params`: each leaf split along `data_axis` on its largest
   dimension that the axis size divides; leaves with none stay replicated.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, muon_optax as mo
     >>> params = {"mlp": {"kernel": jnp.ones((16, 32)), "bias": jnp.zeros(32)}}
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))

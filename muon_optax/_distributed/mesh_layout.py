@@ -35,7 +35,7 @@ class MeshLayout:
       with its own collectives in and out: more bound the peak memory of the buffers
       and Newton–Schulz temporaries lower, at two collectives each.
 
-  Example:
+  Examples:
     >>> import jax, muon_optax as mo
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = mo.muon(0.02, mesh=mo.MeshLayout(mesh, params="replicated"))  # ZeRO-1

@@ -101,7 +101,7 @@ def with_packed_gather(inner: optax.GradientTransformation,
   one packed all-gather, not one per leaf. The state is `inner`'s, unchanged, so
   checkpoints and state conversions are unaffected.
 
-  Example:
+  Examples:
     >>> import jax, muon_optax as mo
     >>> from muon_optax._distributed.packed_gather import with_packed_gather
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))

@@ -118,7 +118,7 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
   Returns:
     Array of x's shape and dtype. Scale-invariant (NS(k·G) = NS(G)); NS(0) = 0.
 
-  Example:
+  Examples:
     >>> import jax, muon_optax as mo
     >>> g = jax.random.normal(jax.random.key(0), (64, 256))
     >>> mo.newton_schulz(g, mo.NewtonSchulz("polar_express", steps=5, gram=True)).shape

@@ -116,7 +116,7 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
   Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n. Gram-space: see
   `newton_schulz`; its restarts are where rounding would otherwise grow.
 
-  Example:
+  Examples:
     >>> import muon_optax as mo
     >>> print(mo.newton_schulz_plan((768, 3072), backend="cpu"))
     gram · 4 steps · aol · float32 operands, float32 accumulation · precision HIGHEST

@@ -129,7 +129,7 @@ class NewtonSchulz:
       the same shape (a Pallas kernel, another polynomial); it replaces the built-in
       iteration, so the other settings must keep their defaults.
 
-  Example:
+  Examples:
     >>> import muon_optax as mo
     >>> mo.NewtonSchulz("jordan", steps=5, gram=False).coefficients().shape
     (5, 3)

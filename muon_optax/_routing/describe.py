@@ -37,7 +37,7 @@ def newton_schulz_cost(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
   """Newton–Schulz matmul flops of one Muon update of `params` (the total `describe`
   prints), with the `routing=` and `ns=` given to `muon`, on `backend` (default: jax's).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> mo.newton_schulz_cost({"w": jnp.ones((4, 8))}, ns=mo.NewtonSchulz("jordan", gram=False))
     3200
@@ -52,10 +52,11 @@ def describe(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
 
   Args:
     params: the params pytree (arrays or `jax.ShapeDtypeStruct`s).
-    routing, ns: as given to `muon`.
+    routing: as given to `muon`.
+    ns: as given to `muon`.
     backend: "cpu", "gpu" or "tpu", to resolve "auto" settings for; default: jax's.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> print(mo.describe({"w": jnp.ones((4, 8)), "b": jnp.ones(8)}, backend="cpu"))
     path  shape  label  matrix view  NS    NS flops  why

@@ -116,7 +116,7 @@ def label_params(params: Any, rules: Optional[Sequence[Rule]] = None) -> Any:
   Returns:
     A pytree of label strings with the structure of `params`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> mo.label_params({"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.ones(8)}})
     {'mlp': {'bias': 'adam', 'kernel': 'muon'}}

@@ -233,8 +233,9 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
       Module (or a method of one) called as `model(*args, **kwargs)`, whose
       `nnx.Param` state, or whose inexact arrays (`eqx.filter(model,
       eqx.is_inexact_array)`), are routed.
-    *args, **kwargs: `params` (unless `f` is a Module), then example inputs: arrays
-      or `jax.ShapeDtypeStruct`s; other values are passed as they are.
+    *args: `params` (unless `f` is a Module), then example inputs: arrays or
+      `jax.ShapeDtypeStruct`s; other values are passed as they are.
+    **kwargs: keyword inputs of `f`, as `args`.
     overrides: (regex, label) pairs or callables (path, leaf) -> label | None, first
       match wins, applied before the inferred routing.
     per_head: one matrix per attention head.
@@ -252,7 +253,7 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
       or used in incompatible ways (the message names the path and its uses;
       `overrides` settle it); f returns several arrays and no `output` says which.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> params = {"emb": jnp.ones((10, 4)), "w": jnp.ones((4, 4)), "out": jnp.ones((4, 10))}
     >>> f = lambda p, ids: (p["emb"][ids] @ p["w"]) @ p["out"]

@@ -58,7 +58,7 @@ class Routing:
   Build it with `infer_routing` (from the computation), `Routing.from_rules` (by
   name) or `Routing.from_labels` (a label pytree or a callable params -> labels).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
     >>> params = {"w": jnp.ones((4, 8)), "out": jnp.ones((8, 2))}
     >>> routing = mo.infer_routing(lambda p, x: (x @ p["w"]) @ p["out"], params, jnp.ones((3, 4)))

@@ -65,7 +65,7 @@ def abstract_target(tx: optax.GradientTransformation, params: Any, mesh: Optiona
   Returns:
     (params, opt_state) as pytrees of `jax.ShapeDtypeStruct` with shardings.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, muon_optax as mo
     >>> params = {"mlp": {"kernel": jnp.ones((16, 32)), "bias": jnp.zeros(32)}}
     >>> mesh = jax.make_mesh((1,), ("data",))
@@ -126,7 +126,7 @@ class Checkpointer:
       labels as `optax.partition` takes them; None: the default name rules). It is
       recorded with each checkpoint and checked on restore.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, tempfile, muon_optax as mo
     >>> params = {"mlp": {"kernel": jnp.ones((16, 32)), "bias": jnp.zeros(32)}}
     >>> tx = mo.muon(0.02)
@@ -235,12 +235,13 @@ class Checkpointer:
 
     Args:
       step: which checkpoint; None for the latest.
-      params_target, opt_state_target: arrays or `jax.ShapeDtypeStruct`s giving the
-        structure, dtypes and shardings to restore into, e.g. from `abstract_target`.
-        A leaf without a sharding lands on the default device. With no
+      params_target: arrays or `jax.ShapeDtypeStruct`s giving the structure, dtypes
+        and shardings to restore into, e.g. from `abstract_target`. A leaf without a
+        sharding lands on the default device. With no
         `opt_state_target`, the params alone are read (and `opt_state` is None): the
         way to keep a run's params and start another optimizer afresh, with
         `tx.init(params)`.
+      opt_state_target: the same for the optimizer state.
       verify: check the restored arrays against the checksums saved with them (if
         `save` wrote any), and the checkpoint's metadata files against their CRC-32s.
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from muon_optax import _routing
-from muon_optax._adamw.backends import REMOVED, STATE_TYPES
+from muon_optax._adamw.backends import STATE_TYPES
 from muon_optax._distributed.layouts import mirrored_param
 from muon_optax._util import paths
 from muon_optax._version import __version__
@@ -152,15 +152,9 @@ FRESH_STATE = ("The params agree, so the optimizer state is another optimizer's 
 
 def check_fits(saved: dict, current: dict, where: str) -> None:
   """Raises a ValueError listing what keeps checkpoint record `saved` from restoring into
-  a target whose record is `current`: newer format, removed AdamW layout, different
+  a target whose record is `current`: newer format, different
   params (tree, shape, dtype), routing labels, AdamW state places or state leaves."""
   _check_format(saved, where)
-  removed = {p: b for p, b in saved.get("adam_backends", {}).items() if b in REMOVED}
-  if removed:
-    raise ValueError(
-        f"{where}holds AdamW state in a removed layout, {removed} (written by muon_optax "
-        f"{saved.get('muon_optax_version')}). Restore it with that release, convert it with "
-        "muon_optax.convert_adam_state(state, params, 'optax') and save it again.")
   lines = differences("parameter", saved["params"], current["params"], ("shape", "dtype"))
   if saved["routing"] and current["routing"]:  # labels of the parameters both trees hold
     both = saved["routing"].keys() & current["routing"].keys()
