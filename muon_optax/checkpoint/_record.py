@@ -177,7 +177,7 @@ def checksum_differences(saved: dict, restored: dict) -> list[str]:
   """One line per array whose checksum after restore differs from the one saved; both
   map "params" and "opt_state" to path -> checksum."""
   lines = []
-  for tree in saved.keys() & {"params", "opt_state"}:
+  for tree in [t for t in ("params", "opt_state") if t in saved]:
     for path, expected in sorted(saved[tree].items()):
       actual = restored[tree].get(path)
       if actual != expected:
