@@ -19,7 +19,7 @@ from muon_optax._routing.name_rules import DEFAULT_RULES, label_params
 from muon_optax._routing.trace import infer_routing
 from muon_optax._routing.value import Routing
 from muon_optax._scaling import scale_by_dual_norm, scale_by_shape
-from muon_optax._second_moment import SecondMomentState, scale_by_second_moment
+from muon_optax._second_moment import SecondMoment, SecondMomentState, scale_by_second_moment
 from muon_optax._version import __version__ as __version__
 
 
@@ -42,6 +42,7 @@ __all__ = [
     "NewtonSchulz",
     "PRESETS",
     "Routing",
+    "SecondMoment",
     "SecondMomentState",
     "adamuon",
     "convert_adam_state",

@@ -22,7 +22,7 @@ from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import orthogonalize
 from muon_optax._scaling import SCALES, scale_by_dual_norm, scale_by_shape
-from muon_optax._second_moment import scale_by_second_moment
+from muon_optax._second_moment import SecondMoment
 from muon_optax._util import tree_fit, validate
 from muon_optax._util.types import Mask, ScalarOrSchedule
 
@@ -35,18 +35,6 @@ def _debias(beta: ArrayLike, nesterov: bool) -> Callable:
   return lambda count: 1 / (1 - beta ** (count + 1 + int(nesterov)))
 
 
-def _scaled(orthogonal: optax.GradientTransformation, scale: Optional[str], beta: ArrayLike,
-            nesterov: bool, routing: Any) -> list[optax.GradientTransformation]:
-  """The orthogonalized direction, scaled: by shape, or `adaptive`: by ⟨M̂, O⟩ (M̂ the
-  momentum without its start-up bias) and Jordan's shape factor, as
-  `optax.contrib.muon(adaptive=True)`."""
-  if scale != ADAPTIVE:
-    return [orthogonal, scale_by_shape(scale, routing=routing)]
-  return [scale_by_dual_norm(orthogonal, routing=routing),
-          optax.scale_by_schedule(_debias(beta, nesterov)),
-          scale_by_shape("jordan", routing=routing)]
-
-
 def scale_by_muon(
     beta: ArrayLike = 0.95,
     *,
@@ -56,12 +44,20 @@ def scale_by_muon(
     mu_dtype: Optional[Any] = None,
     routing: Any = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
+    normalize: Optional[SecondMoment] = None,
 ) -> optax.GradientTransformation:
-  """The Muon direction without learning rate or weight decay:
-  momentum → Newton–Schulz orthogonalization → scaling.
+  """The family's direction without learning rate or weight decay, built from its parts:
+  momentum → Newton–Schulz orthogonalization → (a second moment) → scaling.
 
-  Every leaf it sees must have a matrix view; route other leaves elsewhere (`muon`
-  does that for you). Arguments as in `muon`.
+  Each member of the family is these parts with its own values: Muon none and a shape
+  scale; NorMuon and AdaMuon a `SecondMoment`; adaptive scaling ⟨M̂, O⟩ (M̂ the momentum
+  without its start-up bias) and Jordan's shape factor, as
+  `optax.contrib.muon(adaptive=True)`. Every leaf it sees must have a matrix view; route
+  other leaves elsewhere (`muon` does that for you). Arguments as in `muon`, and:
+
+  Args:
+    normalize: a `SecondMoment` that normalizes the orthogonalized update (NorMuon,
+      AdaMuon), or None.
 
   Examples:
     >>> import jax, optax, muon_optax as mo
@@ -74,25 +70,33 @@ def scale_by_muon(
   """
   if scale not in (*SCALES, ADAPTIVE):
     raise ValueError(f"unknown scale {scale!r}; choose one of {[*SCALES, ADAPTIVE]}.")
+  if scale == ADAPTIVE and normalize is not None:
+    raise ValueError("scale='adaptive' and normalize= are two ways to set the update's "
+                     "magnitude; choose one.")
   orthogonal = orthogonalize(ns, routing=routing, mesh=mesh)
-  return optax.chain(scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
-                     *_scaled(orthogonal, scale, beta, nesterov, routing))
+  parts = [scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype)]
+  if scale == ADAPTIVE:
+    parts += [scale_by_dual_norm(orthogonal, routing=routing),
+              optax.scale_by_schedule(_debias(beta, nesterov)),
+              scale_by_shape("jordan", routing=routing)]
+  else:
+    parts += [orthogonal, *([normalize.transform(routing)] if normalize is not None else []),
+              scale_by_shape(scale, routing=routing)]
+  direction = optax.chain(*parts)
+  if mesh is not None and (scale == ADAPTIVE or normalize is not None):
+    # Statistics of sharded state: under ZeRO-1 the updates that use them reach the
+    # replicated params in one packed all-gather, not one per leaf (Muon's own come
+    # back from the exchange already laid out).
+    direction = with_packed_gather(direction, as_mesh_layout(mesh))
+  return direction
 
 
-def _gathered(direction: optax.GradientTransformation, mesh: Union[Mesh, MeshLayout, None]
-              ) -> optax.GradientTransformation:
-  """A direction whose last steps use sharded statistics (second moments, the dual
-  norm): under ZeRO-1 its updates reach the replicated params in one packed all-gather,
-  not one per leaf (Muon's own come back from the exchange already laid out)."""
-  return direction if mesh is None else with_packed_gather(direction, as_mesh_layout(mesh))
-
-
-def _hidden_and_aux(direction: optax.GradientTransformation, learning_rate: ScalarOrSchedule,
-                    weight_decay: ArrayLike, weight_decay_mask: Mask,
-                    adam: Union[AuxAdam, optax.GradientTransformation, None],
-                    adam_learning_rate: Optional[ScalarOrSchedule], offload_momentum: bool,
-                    routing: Any, mesh: Union[Mesh, MeshLayout, None]
-                    ) -> optax.GradientTransformationExtraArgs:
+def _family(direction: optax.GradientTransformation, *, learning_rate: ScalarOrSchedule,
+            weight_decay: ArrayLike, weight_decay_mask: Mask,
+            adam: Union[AuxAdam, optax.GradientTransformation, None],
+            adam_learning_rate: Optional[ScalarOrSchedule], offload_momentum: bool,
+            routing: Any, mesh: Union[Mesh, MeshLayout, None]
+            ) -> optax.GradientTransformationExtraArgs:
   """`direction` (+ decoupled weight decay, learning rate) for the leaves routed to Muon,
   AdamW for the others, zero for frozen ones: what every alias of the family shares."""
   validate.learning_rate("learning_rate", learning_rate)
@@ -221,10 +225,10 @@ def muon(
   """
   direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=scale, mu_dtype=mu_dtype,
                             routing=routing, mesh=mesh)
-  if scale == ADAPTIVE:
-    direction = _gathered(direction, mesh)
-  return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
-                         adam_learning_rate, offload_momentum, routing, mesh)
+  return _family(direction, learning_rate=learning_rate, weight_decay=weight_decay,
+                 weight_decay_mask=weight_decay_mask, adam=adam,
+                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
+                 routing=routing, mesh=mesh)
 
 
 def _family_scale(scale: Optional[str]) -> Optional[str]:
@@ -268,13 +272,13 @@ def normuon(
   References:
     Li et al. 2025, "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491.
   """
-  direction = _gathered(optax.chain(
-      scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
-      orthogonalize(ns, routing=routing, mesh=mesh),
-      scale_by_second_moment("neurons", b2=b2, eps=1e-10, rescale="norm", routing=routing),
-      scale_by_shape(_family_scale(scale), routing=routing)), mesh)
-  return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
-                         adam_learning_rate, offload_momentum, routing, mesh)
+  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=_family_scale(scale),
+                            mu_dtype=mu_dtype, routing=routing, mesh=mesh,
+                            normalize=SecondMoment("neurons", b2=b2, eps=1e-10, rescale="norm"))
+  return _family(direction, learning_rate=learning_rate, weight_decay=weight_decay,
+                 weight_decay_mask=weight_decay_mask, adam=adam,
+                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
+                 routing=routing, mesh=mesh)
 
 
 def adamuon(
@@ -312,10 +316,10 @@ def adamuon(
   References:
     Si, Zhang, Shen 2025, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005.
   """
-  direction = _gathered(optax.chain(
-      scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype),
-      orthogonalize(ns, routing=routing, mesh=mesh),
-      scale_by_second_moment("elements", b2=b2, eps=1e-8, rescale="rms", routing=routing),
-      scale_by_shape(_family_scale(scale), routing=routing)), mesh)
-  return _hidden_and_aux(direction, learning_rate, weight_decay, weight_decay_mask, adam,
-                         adam_learning_rate, offload_momentum, routing, mesh)
+  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=_family_scale(scale),
+                            mu_dtype=mu_dtype, routing=routing, mesh=mesh,
+                            normalize=SecondMoment("elements", b2=b2, eps=1e-8, rescale="rms"))
+  return _family(direction, learning_rate=learning_rate, weight_decay=weight_decay,
+                 weight_decay_mask=weight_decay_mask, adam=adam,
+                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
+                 routing=routing, mesh=mesh)

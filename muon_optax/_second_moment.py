@@ -3,6 +3,7 @@ element (AdaMuon), and the rescaling that restores the update's size after it.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -30,6 +31,28 @@ def _statistic_shape(view: MatrixView, shape: tuple[int, ...], over: str) -> tup
   if over == "elements":
     return shape
   return tuple(1 if a in view.fan_in else s for a, s in enumerate(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class SecondMoment:
+  """The settings of `scale_by_second_moment`, one value, as `scale_by_muon(normalize=...)`
+  takes them: NorMuon is `SecondMoment("neurons", b2=0.95, eps=1e-10, rescale="norm")`,
+  AdaMuon `SecondMoment("elements", b2=0.999, eps=1e-8, rescale="rms")`. Checked when
+  the transform is built.
+
+  Examples:
+    >>> import muon_optax as mo
+    >>> tx = mo.scale_by_muon(normalize=mo.SecondMoment("neurons", b2=0.95))
+  """
+
+  over: str = "neurons"
+  b2: ArrayLike = 0.95
+  eps: ArrayLike = 1e-8
+  rescale: str = "norm"
+
+  def transform(self, routing: Any = None) -> optax.GradientTransformation:
+    return scale_by_second_moment(self.over, b2=self.b2, eps=self.eps, rescale=self.rescale,
+                                  routing=routing)
 
 
 def scale_by_second_moment(

@@ -304,3 +304,20 @@ def test_bad_labels_name_the_path():
   complex_params = {"z": {"kernel": jnp.zeros((4, 4), jnp.complex64)}}
   with pytest.raises(ValueError, match="'z/kernel'.*complex64"):
     mo.muon().init(complex_params)
+
+
+def test_the_family_is_one_builder_with_component_values():
+  # normuon and adamuon are scale_by_muon with their SecondMoment, inside muon's branches.
+  params = {"w": jax.random.normal(jax.random.key(3), (8, 16)), "b": jnp.zeros(16)}
+  grads = jax.tree.map(lambda p: jnp.cos(2 * p + 1), params)
+  hidden = {"w": params["w"]}
+  for alias, moment, scale in (
+      (mo.normuon, mo.SecondMoment("neurons", b2=0.9, eps=1e-10, rescale="norm"), "jordan"),
+      (mo.adamuon, mo.SecondMoment("elements", b2=0.9, eps=1e-8, rescale="rms"), "moonlight")):
+    tx = alias(0.1, b2=0.9, adam=mo.AuxAdam(1e-2))
+    direction = optax.chain(mo.scale_by_muon(scale=scale, normalize=moment), optax.scale(-0.1))
+    got, _ = tx.update(grads, tx.init(params), params)
+    want, _ = direction.update({"w": grads["w"]}, direction.init(hidden), hidden)
+    np.testing.assert_array_equal(got["w"], want["w"])
+  with pytest.raises(ValueError, match="scale='adaptive' and normalize= are two ways"):
+    mo.scale_by_muon(scale="adaptive", normalize=mo.SecondMoment())
