@@ -29,6 +29,7 @@ compiling.
     python -m benchmarks.scale --model 8b 70b moe --devices 8 64 256 1024
     python -m benchmarks.scale --platform tpu --devices 64 256
     python -m benchmarks.scale --plan-only --devices 8 64 256 1024 4096
+    python -m benchmarks.scale --table  # the rows measured so far, as markdown
     python -m benchmarks.scale --model 8b --layers 2 --devices 8 --out /tmp/s.jsonl  # smallest
 """
 
@@ -252,6 +253,25 @@ HEADER = (f"{'':>4} {'':4} {'layout':<5} {'':<3} {'dev':>5} {'arm':<18} {'collec
           f"{'B/min':>7} {'split MB':>9} {'F/ideal':>7} {'T/shard':>7} {'compile':>7}")
 
 
+def markdown_table(rows: list[dict]) -> str:
+  """The measured rows as a markdown table, one line per case and arm."""
+  kinds = {"all-to-all": "A2A", "all-gather": "AG", "all-reduce": "AR"}
+  out = ["| model | layout | platform | devices | arm | collectives | exchange / minimal | "
+         "split MB | flops / ideal | temp / state shard | compile s |",
+         "|---|---|---|--:|---|---|--:|--:|--:|--:|--:|"]
+  for r in rows:
+    if "error" in r:
+      continue
+    coll = " + ".join(f"{n} {kinds.get(k, k)}" for k, (n, _) in r["collectives"].items()) or "—"
+    arm = r["arm"] + (f" ×{r['exchanges']}" if r.get("exchanges") else "")
+    f = lambda a, b: f"{a / b:.2f}" if b and a else "—"
+    out.append(f"| {r['model']} ×{r['layers']} | {r['layout']} | {r['platform']} | "
+               f"{r['devices']} | {arm} | {coll} | {f(r['exchange_bytes'], r['minimal_bytes'])} | "
+               f"{r['split_bytes'] / 1e6:.0f} | {f(r['flops'], r['ideal_flops'])} | "
+               f"{f(r['temp_bytes'], r['muon_state_shard_bytes'])} | {r['compile_s']:.0f} |")
+  return "\n".join(out)
+
+
 def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
   """The planner's per-device Newton–Schulz flops over the ideal, no compiling."""
   import muon_optax as mo
@@ -300,6 +320,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--contrib-max", type=int, default=64,
                  help="largest device count for optax.contrib.muon (its compile grows fast)")
   p.add_argument("--plan-only", action="store_true", help="the planner's flops table alone")
+  p.add_argument("--table", action="store_true",
+                 help="print the rows already in --out as a markdown table, compile nothing")
   p.add_argument("--out", type=pathlib.Path, default=RESULTS / "scale.jsonl")
   p.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # child process
   return p
@@ -311,6 +333,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     return _child(args)
   from benchmarks.common import header
   print(header("benchmarks.scale", argv))
+  if args.table:
+    print(markdown_table([json.loads(line) for line in args.out.read_text().splitlines()
+                          if line.strip()]))
+    return None
   if args.plan_only:
     print("Planner's Newton–Schulz flops per device / ideal (1-D mesh), no compile:")
     print(plan_table(args.devices, args.model))

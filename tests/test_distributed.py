@@ -56,9 +56,15 @@ def run_steps(tx, params, steps, shard=None):
   return params, state
 
 
-def placed(mesh, kind):
+# Small test matrices never pay for their traffic when split at an accelerator's
+# flops-per-byte: balancing flops alone makes every split path run.
+FLOPS_ALONE = 0
+
+
+def placed(mesh, kind="fsdp"):
   """`mesh=` for a layout: ZeRO-1 says its params are replicated (Auto axes cannot)."""
-  return mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded")
+  return mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded",
+                       flops_per_byte=FLOPS_ALONE)
 
 
 def optimizer(mesh=None, backend="optax"):
@@ -96,7 +102,8 @@ def few_matrices_tree():
 @pytest.mark.parametrize("layout", ["zero1", "fsdp"])
 def test_fewer_matrices_than_devices_split_and_match_single_device(layout):
   mesh, params = mesh_of(), few_matrices_tree()
-  rounds = plan_rounds([(1, 32, 128), (1, 32, 128), (1, 32, 64), (1, 40, 40)], 8)
+  rounds = plan_rounds([(1, 32, 128), (1, 32, 128), (1, 32, 64), (1, 40, 40)], 8,
+                       flops_per_byte=FLOPS_ALONE)
   # Each shape in rounds of its own, split (columns, and rows of the m×m products) to
   # fill every device: 2 × 4, 1 × 8, 1 × 8.
   assert [r.split for r in rounds] == [4, 8, 8]
@@ -124,7 +131,7 @@ def test_splits_finer_than_the_input_blocks_match_single_device(layout, types):
   mesh, params = mesh_of(types=types), narrow_blocks_tree()
   shapes = [(1, 16, 24), (1, 16, 40), (2, 24, 40)]
   blocks = [8, 8, 8]  # the state's columns (the long side) over the 8 devices
-  rounds = plan_rounds(shapes, 8, col_blocks=blocks)
+  rounds = plan_rounds(shapes, 8, col_blocks=blocks, flops_per_byte=FLOPS_ALONE)
   assert any(r.split > 1 and r.cols // 8 % r.split for r in rounds), rounds
   pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
             else mo.fsdp_shardings(params, mesh))
@@ -149,10 +156,10 @@ def test_two_dimensional_mesh_matches_single_device():
 def test_groups_smaller_than_the_mesh_split_instead_of_padding():
   # 4 matrices of one shape and 4 of another on 8 devices: each shape in a round of its
   # own, split over pairs, all busy; no matrix is padded to the other's shape.
-  rounds = plan_rounds([(4, 64, 256), (4, 64, 64)], 8)
+  rounds = plan_rounds([(4, 64, 256), (4, 64, 64)], 8, flops_per_byte=FLOPS_ALONE)
   assert [(r.rows, r.cols, r.split) for r in rounds] == [(64, 256, 2), (64, 64, 2)]
   assert all(None not in r.slots for r in rounds)
-  flops = per_device_flops([(4, 64, 256), (4, 64, 64)], 8)
+  flops = per_device_flops([(4, 64, 256), (4, 64, 64)], 8, flops_per_byte=FLOPS_ALONE)
   assert flops == (newton_schulz_flops(64, 256) + newton_schulz_flops(64, 64)) // 2
   assert flops < newton_schulz_flops(64, 256)  # what one shared, padded round costs
 
@@ -246,7 +253,7 @@ def test_split_matrices_add_a_fixed_number_of_collectives_per_step():
   # standard iteration repeat once per step, the exchange does not.
   params, mesh = gpt2_small_tree(layers=2, d=128), mesh_of()
   counts = [sum(c for c, _ in collective_stats(compiled_update(
-      mo.muon(0.02, ns=mo.NewtonSchulz(steps=k, gram=False), mesh=mesh), params,
+      mo.muon(0.02, ns=mo.NewtonSchulz(steps=k, gram=False), mesh=placed(mesh)), params,
       mesh).as_text()).values()) for k in (2, 3, 4)]
   assert counts[2] - counts[1] == counts[1] - counts[0] > 0, counts
 

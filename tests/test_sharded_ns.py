@@ -48,10 +48,19 @@ def test_shapes_never_share_a_round_and_every_matrix_runs_once():
 
 def test_full_rounds_stay_whole_and_the_rest_is_split_to_fill_the_devices():
   # 12 matrices on 8 devices: one round of whole matrices, the 4 left split by pairs.
-  rounds = plan_rounds([(12, 64, 256)], 8)
+  rounds = plan_rounds([(12, 64, 256)], 8, flops_per_byte=0)
   assert [r.split for r in rounds] == [1, 2]
   assert all(None not in r.slots for r in rounds)
-  assert per_device_flops([(12, 64, 256)], 8) == pytest.approx(ideal([(12, 64, 256)], 8), rel=1e-6)
+  flops = per_device_flops([(12, 64, 256)], 8, flops_per_byte=0)
+  assert flops == pytest.approx(ideal([(12, 64, 256)], 8), rel=1e-6)
+
+
+def test_a_split_whose_traffic_costs_more_than_it_saves_stays_whole():
+  # 64 rows: three 64×64 transfers a step cost more, at an accelerator's flops per
+  # byte, than half of one small matrix's flops; 4096 rows do not.
+  assert all(r.split == 1 for r in plan_rounds([(12, 64, 256)], 8))
+  rounds = plan_rounds([(12, 4096, 14336)], 8)
+  assert [r.split for r in rounds] == [1, 2]
 
 
 def test_a_plan_within_tolerance_splits_nothing():
@@ -73,7 +82,7 @@ def test_split_work_is_an_even_share_when_rows_split_too():
 def test_splits_respect_what_the_layout_allows():
   # A block of 2 columns cannot be cut into 4 column parts: the plan does not ask it.
   ok = lambda item, g: g <= 2
-  rounds = plan_rounds([(2, 64, 256)], 8, split_ok=ok)
+  rounds = plan_rounds([(2, 64, 256)], 8, split_ok=ok, flops_per_byte=0)
   assert max(r.split for r in rounds) <= 2
   covers_every_matrix_once([(2, 64, 256)], rounds)
 
@@ -85,7 +94,7 @@ def test_llama_8b_shapes_within_the_ideal_flops(devices):
   shapes = [(64, 4096, 4096), (64, 1024, 4096), (96, 4096, 14336)]
   width = [n // devices for _, _, n in shapes]
   fits = lambda item, g: width[item[0]] % g == 0
-  flops = per_device_flops(shapes, devices, NS, split_ok=fits)
+  flops = per_device_flops(shapes, devices, NS, split_ok=fits, flops_per_byte=0)
   assert flops <= 1.10 * ideal(shapes, devices)
 
 

@@ -8,6 +8,7 @@ from typing import Any, Union
 from jax.sharding import Mesh
 
 from muon_optax._distributed.layouts import DataAxis, data_axes, is_explicit
+from muon_optax._distributed.sharded_ns import FLOPS_PER_BYTE
 
 PARAM_LAYOUTS = ("auto", "sharded", "replicated")
 EXCHANGES = 4  # measured on the TPU compiler: benchmarks/results/scale_tpu.jsonl
@@ -34,6 +35,10 @@ class MeshLayout:
     exchanges: the matrices travel in this many exchanges, one after another, each
       with its own collectives in and out: more bound the peak memory of the buffers
       and Newton–Schulz temporaries lower, at two collectives each.
+    flops_per_byte: what a byte between devices costs in matmul flops, which decides
+      whether splitting a matrix over devices pays: each device then does 1/g of its
+      flops but receives about three m×m blocks a step (default: a TPU v5p's matmul
+      rate over its interconnect; 0 balances flops alone).
 
   Examples:
     >>> import jax, muon_optax as mo
@@ -45,6 +50,7 @@ class MeshLayout:
   params: str = "auto"
   data_axis: DataAxis = "data"
   exchanges: int = EXCHANGES
+  flops_per_byte: float = FLOPS_PER_BYTE
 
   def __post_init__(self):
     if not isinstance(self.mesh, Mesh):
@@ -53,6 +59,8 @@ class MeshLayout:
       raise ValueError(f"MeshLayout(params={self.params!r}): choose one of {list(PARAM_LAYOUTS)}.")
     if not isinstance(self.exchanges, int) or self.exchanges < 1:
       raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer.")
+    if not self.flops_per_byte >= 0:
+      raise ValueError(f"MeshLayout(flops_per_byte={self.flops_per_byte!r}) must be ≥ 0.")
     axis = self.data_axis
     if axis == "data" and "data" not in self.mesh.axis_names:
       axis = tuple(self.mesh.axis_names)

@@ -71,6 +71,18 @@ def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   return plan.flops - plan.x_flops + plan.x_flops // split
 
 
+# What a byte sent between devices costs, in matmul flops: an accelerator's matmul rate
+# over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s of ICI).
+FLOPS_PER_BYTE = 750
+
+
+def split_bytes(rows: int, split: int, ns: NewtonSchulz) -> float:
+  """Bytes one device of a group of `split` receives to share a matrix of `rows` rows:
+  per step, about three m×m transfers (the Gram sum, and the row gathers of the m×m
+  products), each (g − 1)/g of the m×m matrix, in float32."""
+  return 3 * ns.num_steps() * (split - 1) / split * rows * rows * 4 if split > 1 else 0.0
+
+
 def power_of_two_groups(devices: int) -> tuple[int, ...]:
   """Group sizes 2, 4, … that divide `devices`."""
   return tuple(2**k for k in range(1, devices.bit_length()) if devices % 2**k == 0)
@@ -88,12 +100,14 @@ def padded_cols(cols: int, blocks: int, split: int) -> int:
 
 
 def _best_split(items: list[Item], rows: int, cols: int, devices: int, ns: NewtonSchulz,
-                split_ok: SplitOk, groups: tuple[int, ...], blocks: int) -> int:
+                split_ok: SplitOk, groups: tuple[int, ...], blocks: int,
+                flops_per_byte: float) -> int:
   """The split of a shape group with the least per-device flops over all its rounds
   (its parts fill ⌈count · g / devices⌉ rounds); the smaller split on a tie."""
   def cost(g):
     width = padded_cols(cols, blocks, g)
-    return math.ceil(len(items) * g / devices) * split_flops(rows, width, g, ns)
+    part = split_flops(rows, width, g, ns) + flops_per_byte * split_bytes(rows, g, ns)
+    return math.ceil(len(items) * g / devices) * part
   fits = [g for g in groups if g <= devices and all(split_ok(item, g) for item in items)]
   return min([1, *fits], key=lambda g: (cost(g), g))
 
@@ -105,15 +119,17 @@ SPLIT_TOLERANCE = 1.05
 
 def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz = DEFAULT_NS,
                 split_ok: Optional[SplitOk] = None, groups: Optional[tuple[int, ...]] = None,
-                col_blocks: Optional[list[int]] = None) -> list[Round]:
+                col_blocks: Optional[list[int]] = None,
+                flops_per_byte: float = FLOPS_PER_BYTE) -> list[Round]:
   """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
 
   Each shape group runs in rounds of its own shape (no padding to another shape): whole
   matrices, one per device, as long as they fill rounds. The rest of a group fills a
   partial round, or is split by columns (and rows, see `rows_split`) over groups of g
   devices, with the g that gives it the least per-device flops over all its rounds.
-  Rests are split largest saving first, until the plan is within `SPLIT_TOLERANCE` of
-  the ideal (total flops / devices). Splits need `split_ok(item, g)`; `groups` are the
+  Rests are split largest saving first (the flops a split saves less what its traffic
+  costs at `flops_per_byte`), while that saving is positive and until the plan is within
+  `SPLIT_TOLERANCE` of the ideal (total flops / devices). Splits need `split_ok(item, g)`; `groups` are the
   group sizes the mesh can reduce over (default: powers of two); `col_blocks[i]` is the
   number of column blocks stack i lies in (default 1), which pads its column parts
   (`padded_cols`).
@@ -128,19 +144,24 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   order = sorted(by_shape, key=lambda shape: -_flops(*shape, ns))
   rests = {shape: by_shape[shape][len(by_shape[shape]) // devices * devices:] for shape in order}
   blocks = {shape: max(col_blocks[i] for i, _ in items) for shape, items in by_shape.items()}
-  best = {shape: _best_split(rest, *shape, devices, ns, split_ok, groups, blocks[shape])
+  best = {shape: _best_split(rest, *shape, devices, ns, split_ok, groups, blocks[shape],
+                             flops_per_byte)
           for shape, rest in rests.items() if rest}
-  rest_cost = lambda shape, g: (math.ceil(len(rests[shape]) * g / devices)
-                                * split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
-                                              g, ns))
+  rest_flops = lambda shape, g: (math.ceil(len(rests[shape]) * g / devices)
+                                 * split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
+                                               g, ns))
+  # What a split saves in flops, less what its traffic costs.
+  saving = lambda shape: (rest_flops(shape, 1) - rest_flops(shape, best[shape])
+                          - flops_per_byte * math.ceil(len(rests[shape]) * best[shape] / devices)
+                          * split_bytes(shape[0], best[shape], ns))
   split = dict.fromkeys(best, 1)
   ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
   total = sum(len(by_shape[shape]) // devices * _flops(*shape, ns) for shape in order)
-  total += sum(rest_cost(shape, 1) for shape in best)
-  for shape in sorted(best, key=lambda sh: rest_cost(sh, best[sh]) - rest_cost(sh, 1)):
-    if total <= SPLIT_TOLERANCE * ideal:
+  total += sum(rest_flops(shape, 1) for shape in best)
+  for shape in sorted(best, key=saving, reverse=True):
+    if total <= SPLIT_TOLERANCE * ideal or saving(shape) <= 0:
       break
-    total += rest_cost(shape, best[shape]) - rest_cost(shape, 1)
+    total += rest_flops(shape, best[shape]) - rest_flops(shape, 1)
     split[shape] = best[shape]
   rounds = []
   for (rows, cols) in order:
@@ -162,7 +183,8 @@ def _flops(rows: int, cols: int, ns: NewtonSchulz) -> int:
 def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
                      ns: NewtonSchulz = DEFAULT_NS, groups: Optional[tuple[int, ...]] = None,
                      split_ok: Optional[SplitOk] = None,
-                     col_blocks: Optional[list[int]] = None) -> int:
+                     col_blocks: Optional[list[int]] = None,
+                     flops_per_byte: float = FLOPS_PER_BYTE) -> int:
   """Newton–Schulz flops each device runs under `plan_rounds`."""
   col_blocks = col_blocks or [1] * len(shapes)
   def flops(r: Round) -> int:
@@ -170,7 +192,8 @@ def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
       return _flops(r.rows, r.cols, ns)
     blocks = max(col_blocks[item[0]] for item in r.slots if item is not None)
     return split_flops(r.rows, padded_cols(r.cols, blocks, r.split), r.split, ns)
-  return sum(flops(r) for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_blocks))
+  return sum(flops(r) for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_blocks,
+                                           flops_per_byte))
 
 
 class Layout(NamedTuple):
@@ -300,7 +323,8 @@ def _chunks(rounds: list[Round], count: int) -> list[list[Round]]:
 
 
 def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
-              outs: list[Layout], gather: bool, cost: NewtonSchulz, chunks_of: int = 1):
+              outs: list[Layout], gather: bool, cost: NewtonSchulz, chunks_of: int = 1,
+              flops_per_byte: float = FLOPS_PER_BYTE):
   """The per-device body: pack, all-to-all, reassemble, Newton–Schulz, send back; in
   `chunks_of` exchanges one after another, so that only one's buffers are live at once."""
   mesh = fmesh.mesh
@@ -310,7 +334,8 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
     i = item[0]
     return split_ns is not None and (gather or outs[i].grid == ins[i].grid)
 
-  rounds = plan_rounds(shapes, n, cost, split_ok, fmesh.groups(), [lay.grid[1] for lay in ins])
+  rounds = plan_rounds(shapes, n, cost, split_ok, fmesh.groups(), [lay.grid[1] for lay in ins],
+                       flops_per_byte)
   dtype = jnp.result_type(*dtypes)
 
   def run(stacks, rounds):
@@ -539,7 +564,8 @@ def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
     rows = fmesh.row_split(g) if rows_split(x.shape[-2], g) else None
     return split_fn(x, g, lambda v, op: fmesh.group_reduce(v, op, g), rows=rows)
   lower = _exchange(ns_fn, None if split_fn is None else split_ns, fmesh, shapes,
-                    [s.dtype for s in stacks], ins, outs, gather, cost, layout.exchanges)
+                    [s.dtype for s in stacks], ins, outs, gather, cost, layout.exchanges,
+                    layout.flops_per_byte)
   body = jax.shard_map(lambda *xs: tuple(lower(list(xs))), mesh=fmesh.mesh,
                        in_specs=tuple(lay.spec for lay in ins),
                        out_specs=tuple(lay.spec for lay in outs), check_vma=False)
