@@ -259,6 +259,9 @@ def markdown_table(rows: list[dict]) -> str:
   out = ["| model | layout | platform | devices | arm | collectives | exchange / minimal | "
          "split MB | flops / ideal | temp / state shard | compile s |",
          "|---|---|---|--:|---|---|--:|--:|--:|--:|--:|"]
+  order = {m: k for k, m in enumerate(MODELS)}
+  rows = sorted(rows, key=lambda r: (order[r["model"]], r["layout"], r["platform"], r["devices"],
+                                     ARMS.index(r["arm"]), r.get("exchanges") or 0))
   for r in rows:
     if "error" in r:
       continue
@@ -275,7 +278,7 @@ def markdown_table(rows: list[dict]) -> str:
 def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
   """The planner's per-device Newton–Schulz flops over the ideal, no compiling."""
   import muon_optax as mo
-  from muon_optax._distributed.sharded_ns import per_device_flops
+  from muon_optax._distributed.sharded_ns import group_sizes, per_device_flops, prime_factors
   defaults = {"cpu": mo.NewtonSchulz(),
               "gpu": mo.NewtonSchulz(compute_dtype="bfloat16", precision="default")}
   lines = [f"{'model':>5} {'defaults':>8} " + " ".join(f"{n:>7}" for n in devices)]
@@ -287,23 +290,10 @@ def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
         # The state splits the long side (the columns) over the n devices where it can:
         # column parts are cut from those blocks, zero-padded where they do not divide.
         blocks = [n if k % n == 0 else 1 for _, _, k in matrices]
-        flops = per_device_flops(matrices, n, ns, _groups(n), col_blocks=blocks)
+        flops = per_device_flops(matrices, n, ns, group_sizes(prime_factors(n)), col_blocks=blocks)
         cells.append(flops / ideal_flops(matrices, n, ns))
       lines.append(f"{model:>5} {name:>8} " + " ".join(f"{c:>7.2f}" for c in cells))
   return "\n".join(lines)
-
-
-def _groups(n: int) -> tuple[int, ...]:
-  """The group sizes a 1-D mesh of n devices reduces over (its prime factors, largest
-  first, as `FactorMesh` cuts it)."""
-  primes, rest, p = [], n, 2
-  while rest > 1:
-    while rest % p == 0:
-      primes.append(p)
-      rest //= p
-    p += 1
-  primes.sort(reverse=True)
-  return tuple(sorted({math.prod(primes[k:]) for k in range(len(primes))} - {1}))
 
 
 def parser() -> argparse.ArgumentParser:

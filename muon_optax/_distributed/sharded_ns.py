@@ -248,6 +248,23 @@ def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args
   return jax.lax.switch(index, branches, *args)
 
 
+def prime_factors(n: int) -> list[int]:
+  """n's prime factors, largest first (so that a mesh axis cut into them ends in 2s)."""
+  primes, rest, p = [], n, 2
+  while rest > 1:
+    while rest % p == 0:
+      primes.append(p)
+      rest //= p
+    p += 1
+  return sorted(primes, reverse=True)
+
+
+def group_sizes(factors: list[int]) -> tuple[int, ...]:
+  """The sizes (> 1) of the groups of consecutive devices on a mesh of these factor
+  axes: the products of its trailing factors."""
+  return tuple(sorted({math.prod(factors[k:]) for k in range(len(factors))} - {1}))
+
+
 class FactorMesh(NamedTuple):
   """The mesh's devices in the same order, each axis cut into its prime factors, largest
   first: the g consecutive devices that share a split matrix are then the devices that
@@ -260,13 +277,7 @@ class FactorMesh(NamedTuple):
   def of(cls, mesh: Mesh) -> FactorMesh:
     names, sizes, factors = [], [], {}
     for axis, size in mesh.shape.items():
-      primes, rest, p = [], size, 2
-      while rest > 1:
-        while rest % p == 0:
-          primes.append(p)
-          rest //= p
-        p += 1
-      primes.sort(reverse=True)
+      primes = prime_factors(size)
       factors[axis] = tuple(f"{axis}.{k}" for k in range(len(primes)))
       names += factors[axis]
       sizes += primes
@@ -280,8 +291,7 @@ class FactorMesh(NamedTuple):
 
   def groups(self) -> tuple[int, ...]:
     """The sizes of the device groups collectives can reduce over (> 1)."""
-    sizes = list(self.mesh.shape.values())
-    return tuple(sorted({math.prod(sizes[k:]) for k in range(len(sizes))} - {1}))
+    return group_sizes(list(self.mesh.shape.values()))
 
   def group_axes(self, g: int) -> tuple[str, ...]:
     """The trailing factor axes whose devices make the groups of g consecutive devices."""
