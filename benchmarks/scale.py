@@ -278,7 +278,7 @@ def markdown_table(rows: list[dict]) -> str:
 def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
   """The planner's per-device Newton–Schulz flops over the ideal, no compiling."""
   import muon_optax as mo
-  from muon_optax._distributed.sharded_ns import group_sizes, per_device_flops, prime_factors
+  from muon_optax._distributed.plan import group_sizes, per_device_flops, prime_factors
   defaults = {"cpu": mo.NewtonSchulz(),
               "gpu": mo.NewtonSchulz(compute_dtype="bfloat16", precision="default")}
   lines = [f"{'model':>5} {'defaults':>8} " + " ".join(f"{n:>7}" for n in devices)]

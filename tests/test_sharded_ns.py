@@ -8,17 +8,15 @@ import numpy as np
 import pytest
 
 import muon_optax as mo
-from muon_optax._distributed.sharded_ns import (
+from muon_optax._distributed.plan import (
   SPLIT_TOLERANCE,
-  FactorMesh,
-  by_blocks,
-  layout_of,
   padded_cols,
   per_device_flops,
   plan_rounds,
   rows_split,
   split_flops,
 )
+from muon_optax._distributed.sharded_ns import FactorMesh, by_blocks, layout_of
 from muon_optax._newton_schulz.plan import newton_schulz_flops
 
 NS = mo.NewtonSchulz()

@@ -1,0 +1,195 @@
+"""The static plan of distributed Newton–Schulz, computed with NumPy from the shapes at
+trace time: which device runs which matrix (or which part of it) in which round, and what
+that costs in flops and bytes. No jax here: `sharded_ns` runs the plan on a mesh."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple, Optional
+
+from muon_optax._newton_schulz.plan import newton_schulz_plan
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
+
+Item = tuple[int, int]  # (stack index, matrix index in that stack)
+SplitOk = Callable[[Item, int], bool]
+
+
+class Round(NamedTuple):
+  """One matrix of shape (rows, cols) per device; with split = g > 1, g consecutive
+  devices share a matrix, device d holding columns part d % g."""
+
+  rows: int
+  cols: int
+  slots: tuple[Optional[Item], ...]  # one per device; None is an all-zero matrix
+  split: int = 1
+
+
+def rows_split(rows: int, split: int) -> bool:
+  """Whether the m×m products of a matrix shared by `split` devices are split by rows
+  too (its rows divide evenly), so that each device does 1/split of all the work."""
+  return split > 1 and rows % split == 0
+
+
+def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
+  """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols) matrix
+  split over `split` devices: products with X are split by columns; the rows×rows
+  products by rows when `rows_split`, else repeated on each device."""
+  plan = newton_schulz_plan((rows, cols), ns)
+  if rows_split(rows, split):
+    return plan.flops // split
+  return plan.flops - plan.x_flops + plan.x_flops // split
+
+
+# What a byte sent between devices costs, in matmul flops: an accelerator's matmul rate
+# over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s of ICI).
+FLOPS_PER_BYTE = 750
+
+
+def split_bytes(rows: int, split: int, ns: NewtonSchulz) -> float:
+  """Bytes one device of a group of `split` receives to share a matrix of `rows` rows:
+  per step, about three m×m transfers (the Gram sum, and the row gathers of the m×m
+  products), each (g − 1)/g of the m×m matrix, in float32."""
+  return 3 * ns.num_steps() * (split - 1) / split * rows * rows * 4 if split > 1 else 0.0
+
+
+def power_of_two_groups(devices: int) -> tuple[int, ...]:
+  """Group sizes 2, 4, … that divide `devices`."""
+  return tuple(2**k for k in range(1, devices.bit_length()) if devices % 2**k == 0)
+
+
+def padded_cols(cols: int, blocks: int, split: int) -> int:
+  """Columns of a matrix cut into `split` column parts when it lies in `blocks` column
+  blocks. Where the split divides the block width, each block is cut into `split`
+  slices; else, where it divides the number of blocks, each part takes whole blocks
+  (`by_blocks`); else the slices are zero-padded to a multiple of `split` (zero columns
+  are exact for Newton–Schulz: X Xᵀ is unchanged, and their result is zero)."""
+  if (cols // blocks) % split == 0 or blocks % split == 0:
+    return cols
+  return blocks * math.ceil(cols // blocks / split) * split
+
+
+def _best_split(items: list[Item], rows: int, cols: int, devices: int, ns: NewtonSchulz,
+                split_ok: SplitOk, groups: tuple[int, ...], blocks: int,
+                flops_per_byte: float) -> int:
+  """The split of a shape group with the least per-device flops over all its rounds
+  (its parts fill ⌈count · g / devices⌉ rounds); the smaller split on a tie."""
+  def cost(g):
+    width = padded_cols(cols, blocks, g)
+    part = split_flops(rows, width, g, ns) + flops_per_byte * split_bytes(rows, g, ns)
+    return math.ceil(len(items) * g / devices) * part
+  fits = [g for g in groups if g <= devices and all(split_ok(item, g) for item in items)]
+  return min([1, *fits], key=lambda g: (cost(g), g))
+
+
+# A plan within this factor of the ideal per-device flops splits no further matrix: each
+# split adds collectives inside the iterations (the Gram sums and the row gathers).
+SPLIT_TOLERANCE = 1.05
+
+
+def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz = DEFAULT_NS,
+                split_ok: Optional[SplitOk] = None, groups: Optional[tuple[int, ...]] = None,
+                col_blocks: Optional[list[int]] = None,
+                flops_per_byte: float = FLOPS_PER_BYTE) -> list[Round]:
+  """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
+
+  Each shape group runs in rounds of its own shape (no padding to another shape): whole
+  matrices, one per device, as long as they fill rounds. The rest of a group fills a
+  partial round, or is split by columns (and rows, see `rows_split`) over groups of g
+  devices, with the g that gives it the least per-device flops over all its rounds.
+  Rests are split largest saving first (the flops a split saves less what its traffic
+  costs at `flops_per_byte`), while that saving is positive and until the plan is within
+  `SPLIT_TOLERANCE` of the ideal (total flops / devices). Splits need `split_ok(item, g)`; `groups` are the
+  group sizes the mesh can reduce over (default: powers of two); `col_blocks[i]` is the
+  number of column blocks stack i lies in (default 1), which pads its column parts
+  (`padded_cols`).
+  """
+  split_ok = split_ok or (lambda item, g: True)
+  groups = power_of_two_groups(devices) if groups is None else groups
+  col_blocks = col_blocks or [1] * len(shapes)
+  by_shape: dict[tuple[int, int], list[Item]] = {}
+  for i, (count, rows, cols) in enumerate(shapes):
+    by_shape.setdefault((rows, cols), []).extend((i, j) for j in range(count))
+  # Largest shapes first: their rounds come first in the exchange buffers.
+  order = sorted(by_shape, key=lambda shape: -_flops(*shape, ns))
+  rests = {shape: by_shape[shape][len(by_shape[shape]) // devices * devices:] for shape in order}
+  blocks = {shape: max(col_blocks[i] for i, _ in items) for shape, items in by_shape.items()}
+  best = {shape: _best_split(rest, *shape, devices, ns, split_ok, groups, blocks[shape],
+                             flops_per_byte)
+          for shape, rest in rests.items() if rest}
+  rest_flops = lambda shape, g: (math.ceil(len(rests[shape]) * g / devices)
+                                 * split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
+                                               g, ns))
+  # What a split saves in flops, less what its traffic costs.
+  saving = lambda shape: (rest_flops(shape, 1) - rest_flops(shape, best[shape])
+                          - flops_per_byte * math.ceil(len(rests[shape]) * best[shape] / devices)
+                          * split_bytes(shape[0], best[shape], ns))
+  split = dict.fromkeys(best, 1)
+  ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
+  total = sum(len(by_shape[shape]) // devices * _flops(*shape, ns) for shape in order)
+  total += sum(rest_flops(shape, 1) for shape in best)
+  for shape in sorted(best, key=saving, reverse=True):
+    if total <= SPLIT_TOLERANCE * ideal or saving(shape) <= 0:
+      break
+    total += rest_flops(shape, best[shape]) - rest_flops(shape, 1)
+    split[shape] = best[shape]
+  rounds = []
+  for (rows, cols) in order:
+    items = by_shape[rows, cols]
+    full = len(items) - len(rests[rows, cols])
+    rounds += [Round(rows, cols, tuple(items[s:s + devices])) for s in range(0, full, devices)]
+    g = split.get((rows, cols), 1)
+    slots = [item for item in rests[rows, cols] for _ in range(g)]
+    for start in range(0, len(slots), devices):
+      chunk = tuple(slots[start:start + devices])
+      rounds.append(Round(rows, cols, chunk + (None,) * (devices - len(chunk)), g))
+  return rounds
+
+
+def _flops(rows: int, cols: int, ns: NewtonSchulz) -> int:
+  return newton_schulz_plan((rows, cols), ns).flops
+
+
+def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
+                     ns: NewtonSchulz = DEFAULT_NS, groups: Optional[tuple[int, ...]] = None,
+                     split_ok: Optional[SplitOk] = None,
+                     col_blocks: Optional[list[int]] = None,
+                     flops_per_byte: float = FLOPS_PER_BYTE) -> int:
+  """Newton–Schulz flops each device runs under `plan_rounds`."""
+  col_blocks = col_blocks or [1] * len(shapes)
+  def flops(r: Round) -> int:
+    if r.split == 1:
+      return _flops(r.rows, r.cols, ns)
+    blocks = max(col_blocks[item[0]] for item in r.slots if item is not None)
+    return split_flops(r.rows, padded_cols(r.cols, blocks, r.split), r.split, ns)
+  return sum(flops(r) for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_blocks,
+                                           flops_per_byte))
+
+
+def prime_factors(n: int) -> list[int]:
+  """n's prime factors, largest first (so that a mesh axis cut into them ends in 2s)."""
+  primes, rest, p = [], n, 2
+  while rest > 1:
+    while rest % p == 0:
+      primes.append(p)
+      rest //= p
+    p += 1
+  return sorted(primes, reverse=True)
+
+
+def group_sizes(factors: list[int]) -> tuple[int, ...]:
+  """The sizes (> 1) of the groups of consecutive devices on a mesh of these factor
+  axes: the products of its trailing factors."""
+  return tuple(sorted({math.prod(factors[k:]) for k in range(len(factors))} - {1}))
+
+
+def chunks(rounds: list[Round], count: int) -> list[list[Round]]:
+  """`rounds` in at most `count` runs of consecutive rounds with about equal bytes."""
+  weight = [r.rows * r.cols / r.split for r in rounds]
+  total, chunks, acc = sum(weight), [[]], 0.0
+  for r, w in zip(rounds, weight):
+    if chunks[-1] and acc + w / 2 > total * len(chunks) / count and len(chunks) < count:
+      chunks.append([])
+    chunks[-1].append(r)
+    acc += w
+  return chunks
