@@ -4,9 +4,10 @@ from muon_optax import checkpoint  # Orbax is imported on first use
 from muon_optax._adamw.backends import BACKENDS, AuxAdam
 from muon_optax._adamw.convert import convert_adam_state
 from muon_optax._adamw.offload import offload_state
-from muon_optax._alias import adamuon, muon, normuon, scale_by_muon
+from muon_optax._alias import adamuon, dion2, muon, muonh, nordion2, normuon, scale_by_muon
 from muon_optax._distributed.layouts import fsdp_shardings, state_shardings
 from muon_optax._distributed.mesh_layout import MeshLayout
+from muon_optax._hyperball import HyperballState, hyperball
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz.iteration import newton_schulz
 from muon_optax._newton_schulz.plan import newton_schulz_plan
@@ -18,9 +19,11 @@ from muon_optax._routing.matrix_view import MatrixView, default_view
 from muon_optax._routing.name_rules import DEFAULT_RULES, label_params
 from muon_optax._routing.trace import infer_routing
 from muon_optax._routing.value import Routing
+from muon_optax._row_selection import RowSelection, RowSelectionState, select_rows
 from muon_optax._scaling import scale_by_dual_norm, scale_by_shape
 from muon_optax._second_moment import SecondMoment, SecondMomentState, scale_by_second_moment
 from muon_optax._version import __version__ as __version__
+from muon_optax._weight_decay import WeightDecay, add_decayed_weights
 
 
 def __getattr__(name):
@@ -37,24 +40,33 @@ __all__ = [
     "checkpoint",
     "DEFAULT_RULES",
     "MatrixView",
+    "HyperballState",
     "MeshLayout",
     "MuonMomentumState",
     "NewtonSchulz",
     "PRESETS",
     "Routing",
+    "RowSelection",
+    "RowSelectionState",
     "SecondMoment",
     "SecondMomentState",
+    "WeightDecay",
+    "add_decayed_weights",
     "adamuon",
     "convert_adam_state",
     "default_view",
     "describe",
+    "dion2",
     "fsdp_shardings",
+    "hyperball",
     "infer_routing",
     "label_params",
     "muon",
+    "muonh",
     "newton_schulz",
     "newton_schulz_cost",
     "newton_schulz_plan",
+    "nordion2",
     "normuon",
     "offload_state",
     "orthogonalize",
@@ -64,5 +76,6 @@ __all__ = [
     "scale_by_muon_momentum",
     "scale_by_second_moment",
     "scale_by_shape",
+    "select_rows",
     "state_shardings",
 ]

@@ -1,6 +1,6 @@
 """The Muon family as short compositions of the parts: `scale_by_muon`, and the aliases
-`muon`, `normuon` and `adamuon`, each hidden matrices through its chain and every other
-leaf through its own AdamW."""
+`muon`, `normuon`, `adamuon`, `dion2`, `nordion2` and `muonh`, each hidden matrices
+through its chain and every other leaf through its own AdamW."""
 
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ from muon_optax._adamw import offload
 from muon_optax._adamw.backends import AuxAdam
 from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._distributed.packed_gather import with_packed_gather
+from muon_optax._hyperball import hyperball
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import orthogonalize
+from muon_optax._row_selection import RowSelection, select_rows
 from muon_optax._scaling import SCALES, scale_by_dual_norm, scale_by_shape
 from muon_optax._second_moment import SecondMoment
 from muon_optax._util import tree_fit, validate
 from muon_optax._util.types import Mask, ScalarOrSchedule
+from muon_optax._weight_decay import WeightDecay, decay_part
 
 ADAPTIVE = "adaptive"
 
@@ -38,13 +41,14 @@ def _debias(beta: ArrayLike, nesterov: bool) -> Callable:
 def scale_by_muon(
     beta: ArrayLike = 0.95,
     *,
-    nesterov: bool = True,
+    nesterov: Optional[bool] = None,
     ns: NS = DEFAULT_NS,
     scale: Optional[str] = "jordan",
     mu_dtype: Optional[Any] = None,
     routing: Any = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
     normalize: Optional[SecondMoment] = None,
+    select: Optional[RowSelection] = None,
 ) -> optax.GradientTransformation:
   """The family's direction without learning rate or weight decay, built from its parts:
   momentum → Newton–Schulz orthogonalization → (a second moment) → scaling.
@@ -52,12 +56,18 @@ def scale_by_muon(
   Each member of the family is these parts with its own values: Muon none and a shape
   scale; NorMuon and AdaMuon a `SecondMoment`; adaptive scaling ⟨M̂, O⟩ (M̂ the momentum
   without its start-up bias) and Jordan's shape factor, as
-  `optax.contrib.muon(adaptive=True)`. Every leaf it sees must have a matrix view; route
+  `optax.contrib.muon(adaptive=True)`; Dion2 a `RowSelection`, whose error-feedback
+  buffer (decay `beta`) and selected neurons take the place of momentum and
+  orthogonalization (`select_rows`). Every leaf it sees must have a matrix view; route
   other leaves elsewhere (`muon` does that for you). Arguments as in `muon`, and:
 
   Args:
+    nesterov: the momentum's look-ahead; None: True, or False with `select` (Dion2's
+      buffer has none).
     normalize: a `SecondMoment` that normalizes the orthogonalized update (NorMuon,
       AdaMuon), or None.
+    select: a `RowSelection`: orthogonalize only that fraction of each matrix's output
+      neurons (Dion2), or None.
 
   Examples:
     >>> import jax, optax, muon_optax as mo
@@ -73,6 +83,17 @@ def scale_by_muon(
   if scale == ADAPTIVE and normalize is not None:
     raise ValueError("scale='adaptive' and normalize= are two ways to set the update's "
                      "magnitude; choose one.")
+  if select is not None:
+    if scale == ADAPTIVE or nesterov:
+      raise ValueError("row selection (select=) keeps an error-feedback buffer, not a "
+                       "momentum: it has no Nesterov look-ahead and no adaptive scale; pass "
+                       "nesterov=False and a shape scale.")
+    parts = [select_rows(select, ef_decay=beta, ns=ns, mu_dtype=mu_dtype, routing=routing,
+                         mesh=mesh),
+             *([normalize.transform(routing)] if normalize is not None else []),
+             scale_by_shape(scale, routing=routing)]
+    return _gathered(optax.chain(*parts), mesh, normalize is not None)
+  nesterov = True if nesterov is None else nesterov
   orthogonal = orthogonalize(ns, routing=routing, mesh=mesh)
   parts = [scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype)]
   if scale == ADAPTIVE:
@@ -82,8 +103,12 @@ def scale_by_muon(
   else:
     parts += [orthogonal, *([normalize.transform(routing)] if normalize is not None else []),
               scale_by_shape(scale, routing=routing)]
-  direction = optax.chain(*parts)
-  if mesh is not None and (scale == ADAPTIVE or normalize is not None):
+  return _gathered(optax.chain(*parts), mesh, scale == ADAPTIVE or normalize is not None)
+
+
+def _gathered(direction: optax.GradientTransformation, mesh: Union[Mesh, MeshLayout, None],
+              statistics: bool) -> optax.GradientTransformation:
+  if mesh is not None and statistics:
     # Statistics of sharded state: under ZeRO-1 the updates that use them reach the
     # replicated params in one packed all-gather, not one per leaf (Muon's own come
     # back from the exchange already laid out).
@@ -91,22 +116,26 @@ def scale_by_muon(
   return direction
 
 
-def _family(direction: optax.GradientTransformation, *, learning_rate: ScalarOrSchedule,
-            weight_decay: ArrayLike, weight_decay_mask: Mask,
+def _decoupled_step(learning_rate: ScalarOrSchedule,
+                    weight_decay: Union[WeightDecay, ScalarOrSchedule],
+                    weight_decay_mask: Mask) -> optax.GradientTransformation:
+  """Decoupled weight decay (plain or cautious), then the learning rate."""
+  validate.learning_rate("learning_rate", learning_rate)
+  return optax.chain(decay_part(weight_decay, weight_decay_mask),
+                     optax.scale_by_learning_rate(learning_rate))
+
+
+def _family(direction: optax.GradientTransformation, *, step: optax.GradientTransformation,
+            weight_decay_mask: Mask,
             adam: Union[AuxAdam, optax.GradientTransformation, None],
             adam_learning_rate: Optional[ScalarOrSchedule], offload_momentum: bool,
             routing: Any, mesh: Union[Mesh, MeshLayout, None]
             ) -> optax.GradientTransformationExtraArgs:
-  """`direction` (+ decoupled weight decay, learning rate) for the leaves routed to Muon,
-  AdamW for the others, zero for frozen ones: what every alias of the family shares."""
-  validate.learning_rate("learning_rate", learning_rate)
-  validate.weight_decay("weight_decay", weight_decay)
+  """`direction` then `step` (weight decay and the learning rate, or the hyperball) for
+  the leaves routed to Muon, AdamW for the others, zero for frozen ones: what every alias
+  of the family shares."""
   routing = _routing.as_routing(routing)
-  hidden = optax.chain(
-      direction,
-      optax.add_decayed_weights(weight_decay, tree_fit.branch_mask(weight_decay_mask)),
-      optax.scale_by_learning_rate(learning_rate),
-  )
+  hidden = optax.chain(direction, step)
   if offload_momentum:
     hidden = offload.offload_state(hidden)
   adam = _aux_branch(adam, adam_learning_rate)
@@ -160,7 +189,7 @@ def muon(
     nesterov: bool = True,
     ns: NS = DEFAULT_NS,
     scale: Optional[str] = "jordan",
-    weight_decay: ArrayLike = 0.0,
+    weight_decay: Union[ArrayLike, WeightDecay] = 0.0,
     weight_decay_mask: Mask = None,
     mu_dtype: Optional[Any] = None,
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
@@ -186,7 +215,9 @@ def muon(
       None (see `scale_by_shape`), or "adaptive": ⟨M̂, O⟩ times Jordan's factor, M̂
       the momentum without its start-up bias (see `scale_by_dual_norm`), as
       `optax.contrib.muon(adaptive=True)`.
-    weight_decay: decoupled weight decay of the Muon branch.
+    weight_decay: decoupled weight decay of the Muon branch: a rate (or schedule), or a
+      `WeightDecay` (`WeightDecay(0.1, cautious=True)` decays only where the update and
+      the parameter agree in sign; see `add_decayed_weights`).
     weight_decay_mask: where it applies, over the full params, checked at init.
     adam: `AuxAdam` settings, or any optax transform, for the non-Muon leaves.
     adam_learning_rate: overrides `adam.learning_rate`; unlike a rate inside `AuxAdam`,
@@ -225,7 +256,7 @@ def muon(
   """
   direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=scale, mu_dtype=mu_dtype,
                             routing=routing, mesh=mesh)
-  return _family(direction, learning_rate=learning_rate, weight_decay=weight_decay,
+  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
                  weight_decay_mask=weight_decay_mask, adam=adam,
                  adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
                  routing=routing, mesh=mesh)
@@ -246,7 +277,7 @@ def normuon(
     ns: NS = DEFAULT_NS,
     scale: Optional[str] = "jordan",
     b2: ArrayLike = 0.95,
-    weight_decay: ArrayLike = 0.0,
+    weight_decay: Union[ArrayLike, WeightDecay] = 0.0,
     weight_decay_mask: Mask = None,
     mu_dtype: Optional[Any] = None,
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
@@ -275,7 +306,7 @@ def normuon(
   direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=_family_scale(scale),
                             mu_dtype=mu_dtype, routing=routing, mesh=mesh,
                             normalize=SecondMoment("neurons", b2=b2, eps=1e-10, rescale="norm"))
-  return _family(direction, learning_rate=learning_rate, weight_decay=weight_decay,
+  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
                  weight_decay_mask=weight_decay_mask, adam=adam,
                  adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
                  routing=routing, mesh=mesh)
@@ -289,7 +320,7 @@ def adamuon(
     ns: NS = DEFAULT_NS,
     scale: Optional[str] = "moonlight",
     b2: ArrayLike = 0.999,
-    weight_decay: ArrayLike = 0.0,
+    weight_decay: Union[ArrayLike, WeightDecay] = 0.0,
     weight_decay_mask: Mask = None,
     mu_dtype: Optional[Any] = None,
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
@@ -319,7 +350,130 @@ def adamuon(
   direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=_family_scale(scale),
                             mu_dtype=mu_dtype, routing=routing, mesh=mesh,
                             normalize=SecondMoment("elements", b2=b2, eps=1e-8, rescale="rms"))
-  return _family(direction, learning_rate=learning_rate, weight_decay=weight_decay,
+  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
                  weight_decay_mask=weight_decay_mask, adam=adam,
                  adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
                  routing=routing, mesh=mesh)
+
+
+def dion2(
+    learning_rate: ScalarOrSchedule = 0.02,
+    *,
+    fraction: float = 0.25,
+    beta: ArrayLike = 0.95,
+    ns: NS = DEFAULT_NS,
+    scale: Optional[str] = "jordan",
+    weight_decay: Union[ArrayLike, WeightDecay] = 0.0,
+    weight_decay_mask: Mask = None,
+    mu_dtype: Optional[Any] = None,
+    adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    adam_learning_rate: Optional[ScalarOrSchedule] = None,
+    offload_momentum: bool = False,
+    routing: Any = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Dion2: Muon that orthogonalizes only a `fraction` of each matrix's output neurons.
+
+  An error-feedback buffer B ← B + G; the ⌈fraction·fan_out⌉ output neurons of largest
+  L1 norm are orthogonalized together and updated, and their buffer decays by `beta`;
+  the others keep accumulating until chosen (`select_rows`). Then `scale` and decoupled
+  weight decay on the whole matrix, as in `muon`, whose other arguments it shares.
+
+  Examples:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+    >>> tx = mo.dion2(0.02, fraction=0.25, adam=mo.AuxAdam(3e-4))
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    Ahn, Amsel, Langford 2025, "Dion2: A simple method to shrink matrix in Muon",
+    arXiv 2512.16928.
+  """
+  direction = scale_by_muon(beta, nesterov=False, ns=ns, scale=_family_scale(scale),
+                            mu_dtype=mu_dtype, routing=routing, mesh=mesh,
+                            select=RowSelection(fraction))
+  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
+                 weight_decay_mask=weight_decay_mask, adam=adam,
+                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
+                 routing=routing, mesh=mesh)
+
+
+def nordion2(
+    learning_rate: ScalarOrSchedule = 0.02,
+    *,
+    fraction: float = 0.25,
+    beta: ArrayLike = 0.95,
+    ns: NS = DEFAULT_NS,
+    scale: Optional[str] = "jordan",
+    b2: ArrayLike = 0.95,
+    weight_decay: Union[ArrayLike, WeightDecay] = 0.0,
+    weight_decay_mask: Mask = None,
+    mu_dtype: Optional[Any] = None,
+    adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    adam_learning_rate: Optional[ScalarOrSchedule] = None,
+    offload_momentum: bool = False,
+    routing: Any = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """NorDion2 (Dion3): Dion2's selected neurons, normalized as NorMuon normalizes them.
+
+  The selected neurons' orthogonalized update is divided by the root of an EMA (decay
+  `b2`) of each neuron's mean square, kept only for the neurons selected that step, and
+  the matrix rescaled to keep its norm (`SecondMoment("neurons", selected_only=True)`).
+  Every other argument as in `dion2`.
+
+  Examples:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+    >>> tx = mo.nordion2(0.02, fraction=0.25, adam=mo.AuxAdam(3e-4))
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    Ahn, Amsel, Langford 2025, "Dion2", arXiv 2512.16928; NorDion2 in microsoft/dion.
+    Li et al. 2025, "NorMuon", arXiv 2510.05491.
+  """
+  normalize = SecondMoment("neurons", b2=b2, eps=1e-10, rescale="norm", selected_only=True)
+  direction = scale_by_muon(beta, nesterov=False, ns=ns, scale=_family_scale(scale),
+                            mu_dtype=mu_dtype, routing=routing, mesh=mesh,
+                            normalize=normalize, select=RowSelection(fraction))
+  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
+                 weight_decay_mask=weight_decay_mask, adam=adam,
+                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
+                 routing=routing, mesh=mesh)
+
+
+def muonh(
+    learning_rate: ScalarOrSchedule = 0.01,
+    *,
+    beta: ArrayLike = 0.95,
+    nesterov: bool = True,
+    ns: NS = DEFAULT_NS,
+    mu_dtype: Optional[Any] = None,
+    adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    adam_learning_rate: Optional[ScalarOrSchedule] = None,
+    offload_momentum: bool = False,
+    routing: Any = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """MuonH: Muon's direction, stepped on the hyperball of each matrix's initial norm.
+
+  W' = r·(W − lr·r·O/‖O‖)/‖W − lr·r·O/‖O‖‖ with O Muon's orthogonalized momentum and r
+  the matrix's Frobenius norm at init (`hyperball`): `learning_rate` is the step relative
+  to the matrix's norm, and there is no weight decay (the sphere bounds the norm). Every
+  other argument as in `muon`. Muon matrices must be initialized nonzero.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jax.random.normal(jax.random.key(0), (4, 8)),
+    ...                   "bias": jnp.zeros(8)}}
+    >>> tx = mo.muonh(0.01, adam=mo.AuxAdam(3e-4))
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    "Hyperball" / MuonH, arXiv 2606.16899; MuonH in microsoft/dion.
+  """
+  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=None, mu_dtype=mu_dtype,
+                            routing=routing, mesh=mesh)
+  return _family(direction, step=hyperball(learning_rate, routing=routing),
+                 weight_decay_mask=None, adam=adam, adam_learning_rate=adam_learning_rate,
+                 offload_momentum=offload_momentum, routing=routing, mesh=mesh)

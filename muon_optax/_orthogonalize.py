@@ -92,6 +92,20 @@ def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solv
   return solve
 
 
+def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None]) -> Solver:
+  """The solver of `ns` (a `NewtonSchulz` or a preset name): on one device, or dealt over
+  `mesh`."""
+  ns = as_newton_schulz(ns)
+  if ns.fn is None:
+    ns_fn = functools.partial(newton_schulz, ns=ns)
+    split_fn = functools.partial(newton_schulz_column_parts, ns=ns)
+    cost = ns
+  else:  # a custom function sees whole matrices only; balance as if it were Jordan's
+    ns_fn, split_fn, cost = ns.fn, None, NewtonSchulz("jordan", gram=False)
+  layout = as_mesh_layout(mesh)
+  return grouped_solver(ns_fn) if layout is None else mesh_solver(ns_fn, split_fn, cost, layout)
+
+
 def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any = None) -> Any:
   """Sees every Muon leaf as a stack of wide matrices, orthogonalizes all of them with
   `solver`, and puts each result back in its leaf's layout. With `like` (the params),
@@ -145,16 +159,8 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
     ...   return u @ vt
     >>> u, _ = mo.orthogonalize(mo.NewtonSchulz(fn=polar)).update(g, optax.EmptyState())
   """
-  ns = as_newton_schulz(ns)
   views = as_routing(routing).view
-  if ns.fn is None:
-    ns_fn = functools.partial(newton_schulz, ns=ns)
-    split_fn = functools.partial(newton_schulz_column_parts, ns=ns)
-    cost = ns
-  else:  # a custom function sees whole matrices only; balance as if it were Jordan's
-    ns_fn, split_fn, cost = ns.fn, None, NewtonSchulz("jordan", gram=False)
-  layout = as_mesh_layout(mesh)
-  solver = grouped_solver(ns_fn) if layout is None else mesh_solver(ns_fn, split_fn, cost, layout)
+  solver = solver_for(ns, mesh)
 
   def update_fn(updates, state, params=None):
     like = params if mesh is not None else None  # on a mesh, results laid out like params

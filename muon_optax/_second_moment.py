@@ -49,10 +49,11 @@ class SecondMoment:
   b2: ArrayLike = 0.95
   eps: ArrayLike = 1e-8
   rescale: str = "norm"
+  selected_only: bool = False
 
   def transform(self, routing: Any = None) -> optax.GradientTransformation:
     return scale_by_second_moment(self.over, b2=self.b2, eps=self.eps, rescale=self.rescale,
-                                  routing=routing)
+                                  selected_only=self.selected_only, routing=routing)
 
 
 def scale_by_second_moment(
@@ -61,6 +62,7 @@ def scale_by_second_moment(
     b2: ArrayLike = 0.95,
     eps: ArrayLike = 1e-8,
     rescale: str = "norm",
+    selected_only: bool = False,
     routing: Any = None,
 ) -> optax.GradientTransformation:
   """Normalizes an orthogonalized update O by a running second moment, then rescales it.
@@ -83,6 +85,8 @@ def scale_by_second_moment(
     b2: decay of the second moment, in [0, 1).
     eps: added to √v̂, > 0.
     rescale: "norm" or "rms".
+    selected_only: update v only where the update is nonzero (a neuron with any nonzero
+      element), so that neurons a row selection (`select_rows`) left out keep theirs.
     routing: gives the matrix views (None: `default_view`).
 
   Returns:
@@ -129,7 +133,13 @@ def scale_by_second_moment(
     # On Explicit axes, the statistic is used in the update's layout and kept in its own.
     kept, spec = explicit_spec(v), explicit_spec(x)
     spec = None if spec is None else kept_spec(spec, v.shape)
-    v = (b2 * reshard_to(v, spec) + (1 - b2) * square).astype(v.dtype)
+    v_old = reshard_to(v, spec)
+    v = (b2 * v_old + (1 - b2) * square).astype(v.dtype)
+    if selected_only:
+      chosen = x != 0
+      if over == "neurons":
+        chosen = jnp.any(chosen, axis=view.fan_in, keepdims=True)
+      v = jnp.where(chosen, v, v_old)
     v_hat = v / (1 - b2 ** count).astype(v.dtype)
     normalized = x / (jnp.sqrt(v_hat) + eps)
     norm = jnp.sqrt(jnp.sum(normalized * normalized, axis=matrix_axes, keepdims=True))

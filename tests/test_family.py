@@ -8,49 +8,26 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
+from family_case import (
+  BETA,
+  EXACT,
+  LR,
+  STEPS,
+  WD,
+  assert_close_per_leaf,
+  flat,
+  grads_at,
+  make_params,
+  matrices,
+  mesh_of,
+  polar64,
+  run_on_one_and_eight,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
 from muon_optax._util.paths import leaves_with_path
-
-EPS32 = np.finfo(np.float32).eps
-STEPS = 4
-LR, WD, BETA = 0.05, 0.01, 0.9
-
-
-def svd_polar(x):
-  u, _, vt = jnp.linalg.svd(x, full_matrices=False)
-  return u @ vt
-
-
-# The optimizers orthogonalize with the exact polar factor, so the references below test
-# the family's own steps, independently of any Newton–Schulz polynomial.
-EXACT = mo.NewtonSchulz(fn=svd_polar)
-
-
-def make_params():
-  ks = jax.random.split(jax.random.key(0), 4)
-  return {"embed": {"embedding": jax.random.normal(ks[0], (24, 16))},
-          "fc": {"kernel": 0.1 * jax.random.normal(ks[1], (16, 48)), "bias": jnp.zeros(48)},
-          "proj": {"kernel": 0.1 * jax.random.normal(ks[2], (48, 16))},
-          "stack": {"kernel": 0.1 * jax.random.normal(ks[3], (2, 16, 16))}}
-
-
-def grads_at(step, params):
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(100 + step), len(leaves))
-  return treedef.unflatten([jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
-
-
-def matrices(x):
-  """A leaf as a stack of (fan_in, fan_out) matrices: the default views of these leaves."""
-  return x.reshape(-1, *x.shape[-2:])
-
-
-def polar64(x):
-  u, _, vt = np.linalg.svd(x, full_matrices=False)
-  return u @ vt
 
 
 def normuon_direction(o, v, t, b2=0.95, eps=1e-10):
@@ -125,19 +102,6 @@ FAMILY = {
 }
 
 
-def assert_close_per_leaf(got, want, what):
-  """Each leaf within float32 rounding of its own size, step after step: every step is
-  float32 arithmetic on O(1) quantities whose results a different order of the same sums
-  (or float64) moves by some ulps; 64 per step, of the leaf's largest entry."""
-  for path, value in got.items():
-    tol = 64 * STEPS * EPS32 * np.abs(want[path]).max()
-    np.testing.assert_allclose(value, want[path], rtol=0, atol=tol, err_msg=f"{what} {path}")
-
-
-def flat(tree):
-  return {k: np.asarray(v, np.float64) for k, v in leaves_with_path(tree)}
-
-
 @pytest.mark.parametrize("name", FAMILY)
 def test_matches_a_plain_implementation_of_the_paper_over_several_steps(name):
   make, direction = FAMILY[name]
@@ -173,39 +137,16 @@ def test_adaptive_matches_optax_contrib_muon_running_the_same_iteration():
   assert_close_per_leaf(flat(results[0]), flat(results[1]), "adaptive vs optax")
 
 
-def mesh_of(types):
-  return jax.make_mesh((8,), ("data",), axis_types=(types,))
-
-
 @pytest.mark.parametrize("name", FAMILY)
 @pytest.mark.parametrize("layout, types", [("zero1", AxisType.Auto), ("fsdp", AxisType.Explicit)])
 def test_eight_devices_equal_one(name, layout, types):
   make, _ = FAMILY[name]
-  mesh, params = mesh_of(types), make_params()
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
-            else mo.fsdp_shardings(params, mesh))
-  results = []
-  for tx, shard in ((make(), None), (make(mesh=mesh), pshard)):
-    p = params if shard is None else jax.device_put(params, shard)
-    if shard is None:
-      state, update = tx.init(p), jax.jit(tx.update)
-    else:
-      sshard = mo.state_shardings(tx, p, mesh)
-      state = jax.jit(tx.init, out_shardings=sshard)(p)
-      update = jax.jit(tx.update, out_shardings=(shard, sshard))
-    for step in range(STEPS):
-      g = grads_at(step, params)
-      u, state = update(g if shard is None else jax.device_put(g, shard), state, p)
-      p = optax.apply_updates(p, u)
-    results.append((p, state))
-    if shard is not None:
-      assert update._cache_size() == 1  # one compilation for every step
-    if shard is not None and name != "adaptive":
-      # The new statistics are partitioned like the rest of the state.
-      second = [x for path, x in leaves_with_path(state) if "/nu/" in f"/{path}/"
-                and path.startswith("inner_states/muon")]
-      assert second and all(not x.sharding.is_fully_replicated for x in second), second
-  (want_p, want_s), (got_p, got_s) = results
+  (want_p, want_s), (got_p, got_s) = run_on_one_and_eight(make, layout, types)
+  if name != "adaptive":
+    # The new statistics are partitioned like the rest of the state.
+    second = [x for path, x in leaves_with_path(got_s) if "/nu/" in f"/{path}/"
+              and path.startswith("inner_states/muon")]
+    assert second and all(not x.sharding.is_fully_replicated for x in second), second
   # The same float32 iteration on whole matrices; only the order of sums differs.
   assert_close_per_leaf(flat(got_p), flat(want_p), name)
   assert_close_per_leaf(flat(got_s), flat(want_s), name)
