@@ -56,6 +56,9 @@ class Case:
   # Host offload needs params committed to a device (see `offload_state`); the other
   # transforms, like optax's own, are stepped from plain arrays as optax's tests do.
   commit_params: bool = False
+  # Row selection moves a fraction of a matrix's neurons per step (2 of the kernel's 6
+  # here): the same loss takes it more steps.
+  parabola_steps: int = 300
 
   def make(self, schedules: bool, problem: str = "parabola", steps: int = 1):
     rates = getattr(self, problem)
@@ -74,6 +77,11 @@ def _adaptive_muon(learning_rate, adam_learning_rate):
   return mo.muon(learning_rate, scale="adaptive", adam_learning_rate=adam_learning_rate)
 
 
+def _cautious_muon(learning_rate, adam_learning_rate):
+  return mo.muon(learning_rate, adam_learning_rate=adam_learning_rate,
+                 weight_decay=mo.WeightDecay(1e-3, cautious=True))
+
+
 def _normalized():
   return optax.chain(mo.orthogonalize(), mo.scale_by_second_moment("elements"))
 
@@ -87,6 +95,9 @@ MUON_RATES = dict(parabola={"learning_rate": 0.1, "adam_learning_rate": 0.1},
 CASES = [
     Case("muon", mo.muon, **MUON_RATES),
     Case("normuon", mo.normuon, **MUON_RATES),
+    Case("dion2", mo.dion2, **MUON_RATES, static_args=("fraction",), parabola_steps=3000),
+    Case("nordion2", mo.nordion2, **MUON_RATES, static_args=("fraction",), parabola_steps=3000),
+    Case("muon(weight_decay=WeightDecay(cautious=True))", _cautious_muon, **MUON_RATES),
     Case("adamuon", mo.adamuon, {"learning_rate": 0.5, "adam_learning_rate": 0.1},
          {"learning_rate": 0.15, "adam_learning_rate": 0.3}),
     Case("muon(scale='adaptive')", _adaptive_muon, {"learning_rate": 0.05, "adam_learning_rate": 0.1},
@@ -160,7 +171,7 @@ def minimize(tx, loss, params, steps):
 
 @cases
 def test_converges_on_a_parabola(case):
-  steps = 300
+  steps = case.parabola_steps
   params = problem_params(case, "parabola")
   tx = case.make(schedules=True, problem="parabola", steps=steps)
   start = float(parabola(params))
