@@ -4,7 +4,8 @@ from muon_optax import checkpoint  # Orbax is imported on first use
 from muon_optax._adamw.backends import BACKENDS, AuxAdam
 from muon_optax._adamw.convert import convert_adam_state
 from muon_optax._adamw.offload import offload_state
-from muon_optax._alias import adamuon, dion2, muon, muonh, nordion2, normuon, scale_by_muon
+from muon_optax._alias import adamuon, dion2, muon, muonbp, muonh, nordion2, normuon, scale_by_muon
+from muon_optax._block_periodic import BlockPeriodic, BlockPeriodicState, orthogonalize_blocks
 from muon_optax._distributed.layouts import fsdp_shardings, state_shardings
 from muon_optax._distributed.mesh_layout import MeshLayout
 from muon_optax._hyperball import HyperballState, hyperball
@@ -37,6 +38,8 @@ def __getattr__(name):
 __all__ = [
     "AuxAdam",
     "BACKENDS",
+    "BlockPeriodic",
+    "BlockPeriodicState",
     "checkpoint",
     "DEFAULT_RULES",
     "MatrixView",
@@ -62,6 +65,7 @@ __all__ = [
     "infer_routing",
     "label_params",
     "muon",
+    "muonbp",
     "muonh",
     "newton_schulz",
     "newton_schulz_cost",
@@ -70,6 +74,7 @@ __all__ = [
     "normuon",
     "offload_state",
     "orthogonalize",
+    "orthogonalize_blocks",
     "qk_clip",
     "scale_by_muon",
     "scale_by_dual_norm",

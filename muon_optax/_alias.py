@@ -1,5 +1,5 @@
 """The Muon family as short compositions of the parts: `scale_by_muon`, and the aliases
-`muon`, `normuon`, `adamuon`, `dion2`, `nordion2` and `muonh`, each hidden matrices
+`muon`, `normuon`, `adamuon`, `dion2`, `nordion2`, `muonbp` and `muonh`, each hidden matrices
 through its chain and every other leaf through its own AdamW."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from jax.typing import ArrayLike
 from muon_optax import _routing
 from muon_optax._adamw import offload
 from muon_optax._adamw.backends import AuxAdam
+from muon_optax._block_periodic import DEFAULT_BLOCKS, BlockPeriodic, orthogonalize_blocks
 from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._distributed.packed_gather import with_packed_gather
 from muon_optax._hyperball import hyperball
@@ -49,6 +50,7 @@ def scale_by_muon(
     mesh: Union[Mesh, MeshLayout, None] = None,
     normalize: Optional[SecondMoment] = None,
     select: Optional[RowSelection] = None,
+    blocks: Optional[BlockPeriodic] = None,
 ) -> optax.GradientTransformation:
   """The family's direction without learning rate or weight decay, built from its parts:
   momentum → Newton–Schulz orthogonalization → (a second moment) → scaling.
@@ -68,6 +70,8 @@ def scale_by_muon(
       AdaMuon), or None.
     select: a `RowSelection`: orthogonalize only that fraction of each matrix's output
       neurons (Dion2), or None.
+    blocks: a `BlockPeriodic`: orthogonalize each device's block alone on most steps,
+      whole matrices every `period`-th (MuonBP; `orthogonalize_blocks`), or None.
 
   Examples:
     >>> import jax, optax, muon_optax as mo
@@ -83,6 +87,9 @@ def scale_by_muon(
   if scale == ADAPTIVE and normalize is not None:
     raise ValueError("scale='adaptive' and normalize= are two ways to set the update's "
                      "magnitude; choose one.")
+  if blocks is not None and (select is not None or scale == ADAPTIVE):
+    raise ValueError("blocks= changes how whole matrices are orthogonalized: it does not "
+                     "combine with select= or scale='adaptive'.")
   if select is not None:
     if scale == ADAPTIVE or nesterov:
       raise ValueError("row selection (select=) keeps an error-feedback buffer, not a "
@@ -94,7 +101,10 @@ def scale_by_muon(
              scale_by_shape(scale, routing=routing)]
     return _gathered(optax.chain(*parts), mesh, normalize is not None)
   nesterov = True if nesterov is None else nesterov
-  orthogonal = orthogonalize(ns, routing=routing, mesh=mesh)
+  if blocks is None:
+    orthogonal = orthogonalize(ns, routing=routing, mesh=mesh)
+  else:
+    orthogonal = orthogonalize_blocks(blocks, ns, scale=scale, routing=routing, mesh=mesh)
   parts = [scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype)]
   if scale == ADAPTIVE:
     parts += [scale_by_dual_norm(orthogonal, routing=routing),
@@ -477,3 +487,47 @@ def muonh(
   return _family(direction, step=hyperball(learning_rate, routing=routing),
                  weight_decay_mask=None, adam=adam, adam_learning_rate=adam_learning_rate,
                  offload_momentum=offload_momentum, routing=routing, mesh=mesh)
+
+
+def muonbp(
+    learning_rate: ScalarOrSchedule = 0.02,
+    *,
+    blocks: BlockPeriodic = DEFAULT_BLOCKS,
+    beta: ArrayLike = 0.95,
+    nesterov: bool = True,
+    ns: NS = DEFAULT_NS,
+    scale: Optional[str] = "jordan",
+    weight_decay: Union[ArrayLike, WeightDecay] = 0.0,
+    weight_decay_mask: Mask = None,
+    mu_dtype: Optional[Any] = None,
+    adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
+    adam_learning_rate: Optional[ScalarOrSchedule] = None,
+    offload_momentum: bool = False,
+    routing: Any = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """MuonBP: Muon that orthogonalizes each device's block of a matrix alone, with no
+  communication, on all but every `blocks.period`-th step (the first included), which
+  is Muon's (`orthogonalize_blocks`).
+
+  Block steps are scaled by their block's shape (the paper's rule) and
+  `blocks.block_scale`. On a mesh the blocks are its devices' shards; on one device,
+  `BlockPeriodic(devices=n)` takes those of n devices (the results equal a mesh's).
+  Every other argument as in `muon`.
+
+  Examples:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> params = {"mlp": {"kernel": jnp.ones((8, 16)), "bias": jnp.zeros(16)}}
+    >>> tx = mo.muonbp(0.02, blocks=mo.BlockPeriodic(period=4, devices=2))
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    Khaled et al. 2025, "MuonBP: Faster Muon via block-periodic orthogonalization",
+    arXiv 2510.16981.
+  """
+  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=_family_scale(scale),
+                            mu_dtype=mu_dtype, routing=routing, mesh=mesh, blocks=blocks)
+  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
+                 weight_decay_mask=weight_decay_mask, adam=adam,
+                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
+                 routing=routing, mesh=mesh)

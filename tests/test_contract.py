@@ -77,6 +77,11 @@ def _adaptive_muon(learning_rate, adam_learning_rate):
   return mo.muon(learning_rate, scale="adaptive", adam_learning_rate=adam_learning_rate)
 
 
+def _muonbp(learning_rate, adam_learning_rate):
+  return mo.muonbp(learning_rate, adam_learning_rate=adam_learning_rate,
+                   blocks=mo.BlockPeriodic(period=2, devices=2))
+
+
 def _cautious_muon(learning_rate, adam_learning_rate):
   return mo.muon(learning_rate, adam_learning_rate=adam_learning_rate,
                  weight_decay=mo.WeightDecay(1e-3, cautious=True))
@@ -96,6 +101,7 @@ CASES = [
     Case("muon", mo.muon, **MUON_RATES),
     Case("normuon", mo.normuon, **MUON_RATES),
     Case("dion2", mo.dion2, **MUON_RATES, static_args=("fraction",), parabola_steps=3000),
+    Case("muonbp", _muonbp, **MUON_RATES),
     Case("nordion2", mo.nordion2, **MUON_RATES, static_args=("fraction",), parabola_steps=3000),
     Case("muon(weight_decay=WeightDecay(cautious=True))", _cautious_muon, **MUON_RATES),
     Case("adamuon", mo.adamuon, {"learning_rate": 0.5, "adam_learning_rate": 0.1},

@@ -74,6 +74,17 @@ def mirrored_param(path: str, shape: tuple[int, ...], param_shapes: Mapping[str,
   return None
 
 
+def divided_axis(shape: tuple[int, ...], size: int,
+                 free: Optional[list[int]] = None) -> Optional[int]:
+  """The axis `size` devices split a leaf of `shape` along: its largest (the first of
+  equals) among `free` (default all) that `size` divides; None if there is none."""
+  free = range(len(shape)) if free is None else free
+  fits = [d for d in free if shape[d] % size == 0]
+  if not fits:
+    return None
+  return max(fits, key=lambda d: (shape[d], -d))
+
+
 def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str, ...]) -> P:
   """`spec` with the data axes it lacks added on the largest free dimension they divide
   together, in the form a jitted update returns its state in (one entry per dimension
@@ -86,9 +97,9 @@ def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str,
   entries = list(spec) + [None] * (len(shape) - len(spec))
   missing = tuple(a for a in axes if a not in _spec_axes(spec))
   size = int(np.prod([mesh.shape[a] for a in missing]))
-  free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % size == 0]
-  if missing and free:
-    entries[max(free, key=lambda d: (shape[d], -d))] = missing[0] if len(missing) == 1 else missing
+  axis = divided_axis(shape, size, [d for d in range(len(shape)) if entries[d] is None])
+  if missing and axis is not None:
+    entries[axis] = missing[0] if len(missing) == 1 else missing
   while entries and entries[-1] is None and not is_explicit(mesh):
     entries.pop()
   return P(*entries)

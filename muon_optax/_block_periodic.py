@@ -1,0 +1,211 @@
+"""MuonBP's block-periodic orthogonalization: most steps orthogonalize each device's own
+block of every matrix, with no communication; every P-th step the whole matrix."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from muon_optax._distributed.layouts import data_spec, divided_axis, explicit_spec, reshard_to
+from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._newton_schulz.iteration import newton_schulz
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._orthogonalize import _from_wide, _to_wide, grouped_solver, orthogonalize
+from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
+from muon_optax._routing.value import as_routing
+from muon_optax._scaling import shape_factor
+from muon_optax._util import paths
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPeriodic:
+  """MuonBP's schedule as one value, as `scale_by_muon(blocks=...)` takes it.
+
+  Attributes:
+    period: every `period`-th step (the first included) orthogonalizes whole matrices;
+      the others each block alone. 1 is Muon.
+    devices: on one device, the blocks are those a mesh of this many devices gives
+      (see `orthogonalize_blocks`). On a mesh, None: its data axes' devices.
+    block_scale: the block steps' rate relative to the full steps' (both also scaled
+      by their own matrices' shapes).
+
+  Examples:
+    >>> import muon_optax as mo
+    >>> tx = mo.scale_by_muon(blocks=mo.BlockPeriodic(period=4, devices=8))
+  """
+
+  period: int = 4
+  devices: Optional[int] = None
+  block_scale: float = 1.0
+
+  def __post_init__(self):
+    for name in ("period", "devices"):
+      value = getattr(self, name)
+      if not (value is None and name == "devices") and (
+          isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"BlockPeriodic({name}={value!r}) must be a positive integer.")
+    if not (isinstance(self.block_scale, (int, float)) and self.block_scale > 0):
+      raise ValueError(f"BlockPeriodic(block_scale={self.block_scale!r}) must be a number > 0.")
+
+
+DEFAULT_BLOCKS = BlockPeriodic()
+
+
+class BlockPeriodicState(NamedTuple):
+  count: jax.Array  # int32 scalar: steps taken; a multiple of the period is a full step.
+
+
+def _block_factor(scale: Optional[str], view: MatrixView, block: tuple[int, ...],
+                  whole: tuple[int, ...]) -> float:
+  """The block's shape factor over the whole matrix's, which `scale_by_shape` applies
+  after: so each block step is scaled by its block's own shape (RMS matching)."""
+  _, bi, bo = view.matrix_shape(block)
+  _, fi, fo = view.matrix_shape(whole)
+  return shape_factor(scale, bi, bo) / shape_factor(scale, fi, fo)
+
+
+def _orthogonalize_each(xs: list[jax.Array], views: list[MatrixView], solve) -> list[jax.Array]:
+  """Each array orthogonalized through its view, same shapes batched together."""
+  wides = [_to_wide(x, view) for x, view in zip(xs, views)]
+  results = solve(wides, [x for x in xs], None)
+  return [_from_wide(r, w, x.shape) for r, w, x in zip(results, wides, xs)]
+
+
+def _split(x: jax.Array, axis: Optional[int], n: int) -> jax.Array:
+  """(n, block...) contiguous blocks of `x` along `axis` (one block: (1, x...))."""
+  if axis is None:
+    return x[None]
+  shape = x.shape
+  blocks = x.reshape(*shape[:axis], n, shape[axis] // n, *shape[axis + 1:])
+  return jnp.moveaxis(blocks, axis, 0)
+
+
+def _join(blocks: jax.Array, axis: Optional[int], shape: tuple[int, ...]) -> jax.Array:
+  if axis is None:
+    return blocks[0]
+  return jnp.moveaxis(blocks, 0, axis).reshape(shape)
+
+
+def orthogonalize_blocks(
+    blocks: BlockPeriodic = DEFAULT_BLOCKS,
+    ns: NS = DEFAULT_NS,
+    *,
+    scale: Optional[str] = "jordan",
+    routing: Any = None,
+    mesh: Union[Mesh, MeshLayout, None] = None,
+) -> optax.GradientTransformation:
+  """MuonBP's orthogonalization: every `blocks.period`-th step (the first included) as
+  `orthogonalize`; every other step each block of each leaf alone, through the leaf's
+  matrix view, scaled by its block's shape over its matrix's (so that `scale_by_shape`
+  after it scales each block step by its block's own shape, the paper's rule) and by
+  `blocks.block_scale`.
+
+  A leaf's blocks are its shards along the axis the data axes split: the one
+  `state_shardings` lays its state out on (its largest axis they divide), read from the
+  types on an Explicit mesh. On a mesh each device orthogonalizes its own block in a
+  `shard_map` with no collective; on one device `blocks.blocks` gives the count, and
+  the results equal those of a mesh of that many devices. A leaf no axis of which they
+  divide is one block. The step kind is chosen by `lax.cond` on the state's count, so
+  one executable serves both.
+
+  Args:
+    blocks: the `BlockPeriodic` schedule.
+    ns: Newton–Schulz settings (see `orthogonalize`).
+    scale: the shape scale that follows (see `scale_by_shape`).
+    routing: gives the matrix views (None: `default_view`).
+    mesh: the mesh the state lies on, or None.
+
+  Returns:
+    An `optax.GradientTransformation` with a `BlockPeriodicState`.
+
+  Examples:
+    >>> import jax, muon_optax as mo
+    >>> tx = mo.orthogonalize_blocks(mo.BlockPeriodic(period=4, devices=2))
+    >>> g = {"w": jax.random.normal(jax.random.key(0), (16, 32))}
+    >>> u, state = tx.update(g, tx.init(g))  # step 0: the whole matrix
+    >>> u, state = tx.update(g, state)  # step 1: its two (8, 32) halves, each alone
+
+  References:
+    Khaled et al. 2025, "MuonBP: Faster Muon via block-periodic orthogonalization",
+    arXiv 2510.16981.
+  """
+  ns = as_newton_schulz(ns)
+  views = as_routing(routing).view
+  layout = as_mesh_layout(mesh)
+  if layout is None and blocks.devices is None:
+    raise ValueError("BlockPeriodic(devices=None) takes its blocks from a mesh: pass mesh=, "
+                     "or devices= the number of devices whose blocks to use.")
+  full = orthogonalize(ns, routing=routing, mesh=mesh)
+  solve = grouped_solver(ns.fn or functools.partial(newton_schulz, ns=ns))
+  period = blocks.period
+
+  def block_step(updates, params):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
+    live = [i for i, (_, x) in enumerate(flat) if not paths.is_masked(x) and x.size]
+    leaf_views = [matrix_view_of(views, paths.path_str(flat[i][0]), flat[i][1]) for i in live]
+    xs = [flat[i][1] for i in live]
+    if layout is None:
+      results = _blocks_here(xs, leaf_views)
+    else:
+      # Results go where the full step puts them: laid out like the params on an Explicit
+      # mesh (the two branches of the cond must agree), else as the state lies.
+      likes = jax.tree_util.tree_leaves(params, is_leaf=paths.is_masked) if params else []
+      likes = [likes[i] for i in live] if len(likes) == len(flat) else xs
+      results = [reshard_to(r, explicit_spec(like)) for r, like in
+                 zip(_blocks_on_mesh(xs, leaf_views), likes)]
+    out = [x for _, x in flat]
+    for i, r in zip(live, results):
+      out[i] = r
+    return treedef.unflatten(out)
+
+  def _blocks_here(xs, leaf_views):
+    n = blocks.devices
+    axes = [divided_axis(x.shape, n) for x in xs]
+    stacked = [_split(x, a, n) for x, a in zip(xs, axes)]
+    # Every block of a leaf is one more matrix of its view's batch: vmap the view.
+    mats, back = [], []
+    for s, view in zip(stacked, leaf_views):
+      block_shape = s.shape[1:]
+      m = jax.vmap(view.to_matrices)(s)
+      mats.append(m.reshape(-1, *m.shape[2:]))
+      back.append((m.shape, block_shape))
+    ortho = _orthogonalize_each(mats, [MatrixView((0,), (1,), (2,))] * len(mats), solve)
+    out = []
+    for o, (mshape, block_shape), view, a, x in zip(ortho, back, leaf_views, axes, xs):
+      b = jax.vmap(lambda m, v=view, s=block_shape: v.from_matrices(m, s))(o.reshape(mshape))
+      factor = blocks.block_scale * _block_factor(scale, view, block_shape, x.shape)
+      out.append((_join(b, a, x.shape) * factor).astype(x.dtype))
+    return out
+
+  def _blocks_on_mesh(xs, leaf_views):
+    specs = [explicit_spec(x) or data_spec(tuple(x.shape), layout.mesh, layout.data_axis)
+             for x in xs]
+
+    def local(*ys):
+      ortho = _orthogonalize_each(list(ys), leaf_views, solve)
+      return tuple((o * (blocks.block_scale * _block_factor(scale, v, y.shape, x.shape))
+                    ).astype(x.dtype) for o, v, y, x in zip(ortho, leaf_views, ys, xs))
+
+    body = jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(specs),
+                         out_specs=tuple(specs), check_vma=False)
+    with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
+      return list(body(*xs))
+
+  def update_fn(updates, state, params=None):
+    whole = lambda u: full.update(u, optax.EmptyState(), params)[0]
+    blockwise = lambda u: block_step(u, params)
+    if isinstance(state.count, jax.core.Tracer):
+      out = jax.lax.cond(state.count % period == 0, whole, blockwise, updates)
+    else:  # a known step (not traced): only its kind is built
+      out = (whole if int(state.count) % period == 0 else blockwise)(updates)
+    return out, BlockPeriodicState(optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(
+      lambda params: BlockPeriodicState(jnp.zeros([], jnp.int32)), update_fn)
+

@@ -1,0 +1,122 @@
+"""MuonBP's block-periodic steps against a plain float64 implementation over several
+steps; on 8 devices against 1; no collective in block steps; one executable."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from family_case import (
+  BETA,
+  EXACT,
+  LR,
+  WD,
+  assert_close_per_leaf,
+  flat,
+  grads_at,
+  make_params,
+  mesh_of,
+  polar64,
+  run_on_one_and_eight,
+)
+from jax.sharding import AxisType
+
+import muon_optax as mo
+from benchmarks.hlo import collective_stats
+
+PERIOD, BLOCKS, BLOCK_SCALE = 3, 4, 0.5
+
+
+def jordan(fan_in, fan_out):
+  return np.sqrt(max(1, fan_out / fan_in))
+
+
+def blockwise(m, blocks):
+  """Each contiguous block of the (…, fan_in, fan_out) leaf `m` along its largest axis
+  that `blocks` divides (the first of equals), orthogonalized alone and scaled by its
+  own shape: the blocks `blocks` devices hold under FSDP."""
+  axis = max((d for d in range(m.ndim) if m.shape[d] % blocks == 0),
+             key=lambda d: (m.shape[d], -d))
+  out = []
+  for block in np.split(m, blocks, axis=axis):
+    mats = block.reshape(-1, *block.shape[-2:])
+    out.append(np.stack([polar64(x) * jordan(*x.shape) for x in mats]).reshape(block.shape))
+  return np.concatenate(out, axis=axis)
+
+
+def plain_muonbp(params, steps):
+  """MuonBP (Khaled et al. 2025, Algorithm 1) leaf by leaf in float64: Muon's EMA
+  momentum (no Nesterov); on steps 0, P, 2P… polar(M) with Jordan's factor of the
+  matrix, else `blockwise` times the block rate; decoupled weight decay; AdamW for the
+  rest."""
+  p, state = flat(params), {}
+  for t in range(steps):
+    grads = flat(grads_at(t, params))
+    for path, x in p.items():
+      s = state.setdefault(path, {"m": np.zeros_like(x), "nu": np.zeros_like(x)})
+      g = grads[path]
+      if path.endswith("kernel"):
+        s["m"] = BETA * s["m"] + (1 - BETA) * g
+        if t % PERIOD == 0:
+          mats = s["m"].reshape(-1, *x.shape[-2:])
+          d = np.stack([polar64(m) * jordan(*m.shape) for m in mats]).reshape(x.shape)
+        else:
+          d = BLOCK_SCALE * blockwise(s["m"], BLOCKS)
+        p[path] = x - LR * (d + WD * x)
+      else:
+        s["m"] = 0.9 * s["m"] + 0.1 * g
+        s["nu"] = 0.999 * s["nu"] + 0.001 * g * g
+        m_hat, v_hat = s["m"] / (1 - 0.9 ** (t + 1)), s["nu"] / (1 - 0.999 ** (t + 1))
+        p[path] = x - 1e-2 * m_hat / (np.sqrt(v_hat) + 1e-8)
+  return p
+
+
+def test_matches_a_plain_implementation_over_several_steps():
+  params, steps = make_params(), 2 * PERIOD
+  tx = mo.muonbp(LR, blocks=mo.BlockPeriodic(PERIOD, devices=BLOCKS, block_scale=BLOCK_SCALE),
+                 beta=BETA, nesterov=False, ns=EXACT, weight_decay=WD, adam=mo.AuxAdam(1e-2))
+  state, update, p = tx.init(params), jax.jit(tx.update), params
+  for step in range(steps):
+    u, state = update(grads_at(step, p), state, p)
+    p = optax.apply_updates(p, u)
+  assert update._cache_size() == 1  # both kinds of step in one executable
+  assert_close_per_leaf(flat(p), plain_muonbp(params, steps), "muonbp")
+
+
+@pytest.mark.parametrize("layout, types", [("zero1", AxisType.Auto), ("fsdp", AxisType.Explicit)])
+def test_eight_devices_equal_one(layout, types):
+  make = lambda mesh=None: mo.muonbp(
+      LR, blocks=mo.BlockPeriodic(PERIOD, devices=None if mesh else 8), mesh=mesh)
+  (want_p, want_s), (got_p, got_s) = run_on_one_and_eight(make, layout, types, steps=2 * PERIOD)
+  assert_close_per_leaf(flat(got_p), flat(want_p), "muonbp")
+  assert_close_per_leaf(flat(got_s), flat(want_s), "muonbp")
+
+
+def collectives_at(step: int, layout: str) -> dict:
+  """The collectives of the update at a known step (its kind alone is compiled)."""
+  mesh, params = mesh_of(), make_params()
+  shard = mo.fsdp_shardings(params, mesh) if layout == "fsdp" else jax.tree.map(
+      lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), params)
+  p = jax.device_put(params, shard)
+  tx = mo.muonbp(LR, blocks=mo.BlockPeriodic(PERIOD), mesh=mesh)
+  state = jax.jit(tx.init, out_shardings=mo.state_shardings(tx, p, mesh))(p)
+  state = jax.tree.map(lambda x: jnp.asarray(step, x.dtype) if x.dtype == jnp.int32 else x, state)
+  text = jax.jit(lambda g, p: tx.update(g, state, p)).lower(p, p).compile().as_text()
+  return {op: n for op, (n, _) in collective_stats(text).items() if n}
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "zero1"])
+def test_block_steps_need_no_collective(layout):
+  assert collectives_at(1, layout) == {}
+  assert collectives_at(PERIOD, layout).get("all-to-all", 0) > 0  # the full step's exchange
+
+
+def test_bad_settings_are_named():
+  with pytest.raises(ValueError, match="takes its blocks from a mesh"):
+    mo.muonbp()
+  with pytest.raises(ValueError, match=r"BlockPeriodic\(period=0\) must be a positive integer"):
+    mo.BlockPeriodic(period=0)
+  with pytest.raises(ValueError, match="block_scale"):
+    mo.BlockPeriodic(block_scale=0)
+  with pytest.raises(ValueError, match="does not combine"):
+    mo.scale_by_muon(blocks=mo.BlockPeriodic(devices=2), scale="adaptive")
