@@ -23,7 +23,8 @@ initialization and batch sequence (per seed) under the same warmup + cosine sche
    average around them.
 
 Writes --out-dir/convergence.json (every run), convergence.png (best runs' validation
-curves) and prints the tables.
+curves) and prints the tables. Every finished run is also appended to --out-dir/runs.jsonl,
+and a run found there is not run again: a stopped sweep resumes where it was.
 
     python -m benchmarks.convergence                          # main job's config, ~30 min
     python -m benchmarks.convergence --layers 4 --d-model 128 # the wider config
@@ -45,13 +46,14 @@ from flax import nnx
 
 from benchmarks.common import LoadWatch, machine, ratio_table, time_steps
 from workload import stdlib_text
-from workload.config import BEST_LR, TrainConfig
+from workload.config import BEST_LR, FRONTIER, OPTIMIZERS, TrainConfig
 from workload.train import make_model, make_optimizer, routing_of, steps_to_reach, train
 
 FAMILY = ("muon", "normuon", "adamuon", "adaptive")
 RATES = {"adamw": [2e-3, 3e-3, 6e-3, 1e-2], "muon": [0.01, 0.02, 0.04, 0.08],
          "normuon": [0.01, 0.02, 0.04, 0.08], "adamuon": [2e-3, 4e-3, 8e-3, 1.6e-2],
-         "adaptive": [0.1, 0.2, 0.4, 0.8]}
+         "adaptive": [0.1, 0.2, 0.4, 0.8],
+         **{name: [0.01, 0.02, 0.04, 0.08] for name in FRONTIER}, "muonh": [0.01, 0.02, 0.04]}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -66,8 +68,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p.add_argument("--eval-every", type=int, default=25)
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-  p.add_argument("--optimizers", nargs="+", default=["adamw", *FAMILY],
-                 choices=["adamw", *FAMILY])
+  p.add_argument("--optimizers", nargs="+", default=["adamw", *FAMILY], choices=OPTIMIZERS,
+                 help=f"the frontier: {' '.join(FRONTIER)} (see workload/config.py)")
   for name, rates in RATES.items():
     p.add_argument(f"--{name}-lrs", type=float, nargs="+", default=rates)
   p.add_argument("--extend", type=int, default=3, help="most extensions of an edge sweep")
@@ -81,14 +83,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                       "does not depend on its rate)")
   p.add_argument("--data-root", default="", help="a directory of .py files (default: stdlib)")
   p.add_argument("--out-dir", default="runs/convergence")
+  p.add_argument("--rerun", action="store_true",
+                 help="run everything again, ignoring and not writing --out-dir/runs.jsonl")
   return p.parse_args(argv)
 
 
 class Runner:
-  """Runs and remembers training runs by (optimizer, lr, seed, ns)."""
+  """Runs and remembers training runs by (optimizer, lr, seed, ns). With a `done` file,
+  each finished run is appended to it, keyed by its whole config, and a run found there
+  is not run again: a sweep can be stopped and resumed, across sessions."""
 
-  def __init__(self, base: TrainConfig, data: tuple):
-    self.base, self.data, self.records = base, data, {}
+  def __init__(self, base: TrainConfig, data: tuple, done: Optional[pathlib.Path] = None):
+    self.base, self.data, self.records, self.done = base, data, {}, done
+    self.saved = {}
+    if done is not None and done.exists():
+      for line in done.read_text().splitlines():
+        entry = json.loads(line)
+        self.saved[entry["key"]] = entry["record"]
 
   def __call__(self, optimizer: str, lr: float, seed: int, ns: str = "turbo",
                adam_lr: Optional[float] = None) -> dict[str, Any]:
@@ -96,10 +107,21 @@ class Runner:
     if key not in self.records:
       cfg = dataclasses.replace(self.base, optimizer=optimizer, lr=lr, seed=seed, ns=ns,
                                 adam_lr=lr if optimizer == "adamw" else adam_lr)
-      record = train(cfg, *self.data, progress=None, log=lambda line: None)
-      record["label"] = f"{optimizer} lr={lr:g} seed={seed}" + (f" ns={ns}" if ns != "turbo" else "")
-      print(f"  {record['label']:<34} final val {record['final_val_loss']:.4f}  "
-            f"({record['time_s']:.0f}s)", flush=True)
+      config_key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+      record = self.saved.get(config_key)
+      if record is None:
+        record = train(cfg, *self.data, progress=None, log=lambda line: None)
+        record["label"] = (f"{optimizer} lr={lr:g} seed={seed}" +
+                           (f" ns={ns}" if ns != "turbo" else ""))
+        if self.done is not None:
+          self.done.parent.mkdir(parents=True, exist_ok=True)
+          with self.done.open("a") as f:
+            f.write(json.dumps({"key": config_key, "record": record}, default=str) + "\n")
+        status = f"({record['time_s']:.0f}s)"
+      else:
+        status = "(on disk)"
+      print(f"  {record['label']:<34} final val {record['final_val_loss']:.4f}  {status}",
+            flush=True)
       self.records[key] = record
     return self.records[key]
 
@@ -196,14 +218,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                      heads=args.heads, seq_len=args.seq_len, batch=args.batch,
                      eval_every=args.eval_every, eval_batches=args.eval_batches)
   train_split, val_split = stdlib_text.load_splits(args.data_root or None)
-  run = Runner(base, (train_split.data, val_split.data))
+  run = Runner(base, (train_split.data, val_split.data),
+               None if args.rerun else pathlib.Path(args.out_dir) / "runs.jsonl")
   print(f"machine: {machine()}")
   print(f"model: GPT {args.layers} layers × d_model {args.d_model}, {args.heads} heads, "
         f"seq_len {args.seq_len}, batch {args.batch}, {args.steps} steps; seeds {args.seeds}; "
         f"val every {args.eval_every} steps on {args.eval_batches}×{args.batch} windows")
   if args.times_only:
     return times_only(base, args)
-  rates = lambda name: getattr(args, f"{name}_lrs")
+  rates = lambda name: getattr(args, f"{name.replace('-', '_')}_lrs")
   print("sweeps (seed 0):")
   adam_lr = sweep(run, "adamw", rates("adamw"), args.extend)
   best = {"adamw": adam_lr}

@@ -25,9 +25,22 @@ from workload.config import TrainConfig
 from workload.gpt import GPT, GPTConfig, loss_fn, num_params
 from workload.machine import machine_info
 
-# The Muon family: each optimizer of the config as a muon_optax alias and its options.
+# The Muon family: each optimizer of the config as a muon_optax alias and its options
+# (which take the place of the config's weight decay where they set one).
+FRONTIER_DECAY = 0.1
 FAMILY = {"muon": (mo.muon, {}), "normuon": (mo.normuon, {}), "adamuon": (mo.adamuon, {}),
-          "adaptive": (mo.muon, {"scale": "adaptive"})}
+          "adaptive": (mo.muon, {"scale": "adaptive"}),
+          "nordion2": (mo.nordion2, {"fraction": 0.25}),
+          "nordion2-0.5": (mo.nordion2, {"fraction": 0.5}),
+          "nordion2-1": (mo.nordion2, {"fraction": 1.0}),
+          "muonbp4": (mo.muonbp, {"blocks": mo.BlockPeriodic(4, devices=8)}),
+          "muonbp8": (mo.muonbp, {"blocks": mo.BlockPeriodic(8, devices=8)}),
+          "muon-wd": (mo.muon, {"weight_decay": FRONTIER_DECAY}),
+          "muon-cwd": (mo.muon, {"weight_decay": mo.WeightDecay(FRONTIER_DECAY, cautious=True)}),
+          "normuon-wd": (mo.normuon, {"weight_decay": FRONTIER_DECAY}),
+          "normuon-cwd": (mo.normuon, {"weight_decay": mo.WeightDecay(FRONTIER_DECAY,
+                                                                      cautious=True)}),
+          "muonh": (mo.muonh, {})}
 
 
 def lr_schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
@@ -64,9 +77,14 @@ def make_optimizer(cfg: TrainConfig, routing: mo.Routing,
     alias, options = FAMILY[cfg.optimizer]
     # ZeRO-1 (`place_data_parallel`): the params are replicated, the state split.
     placed = None if mesh is None else mo.MeshLayout(mesh, params="replicated")
-    tx = alias(lr_schedule(cfg.peak_lr, cfg), weight_decay=cfg.weight_decay, mesh=placed,
-               routing=routing, ns=cfg.ns, adam=mo.AuxAdam(adam_lr, b1=0.9, b2=0.95),
-               **options)
+    if alias is mo.muonh:  # the hyperball takes the place of weight decay
+      if cfg.weight_decay:
+        raise ValueError("muonh keeps each matrix's norm instead of decaying it: drop "
+                         "--weight-decay.")
+    else:
+      options = {"weight_decay": cfg.weight_decay, **options}
+    tx = alias(lr_schedule(cfg.peak_lr, cfg), mesh=placed, routing=routing, ns=cfg.ns,
+               adam=mo.AuxAdam(adam_lr, b1=0.9, b2=0.95), **options)
   return optax.chain(optax.clip_by_global_norm(1.0), tx)
 
 
