@@ -19,15 +19,15 @@ from muon_optax._util.types import ScalarOrSchedule
 class HyperballState(NamedTuple):
   count: jax.Array  # int32 scalar: steps taken (for a schedule).
   # Per matrix of each leaf's view: its Frobenius norm at init, float32 (float64 for
-  # float64 params), the shape of the view's batch axes.
+  # float64 params), the leaf's shape with its matrix axes of size 1 (full-size where
+  # the view cuts the fan-out into blocks).
   radius: optax.Updates
 
 
 def _matrix_norms(x: jax.Array, view: MatrixView, dtype: Any) -> jax.Array:
-  """‖·‖_F of each matrix of the view, shaped like the leaf with the matrix axes of size 1."""
-  axes = view.fan_in + view.fan_out
+  """‖·‖_F of each matrix of the view, broadcastable against the leaf."""
   x = x.astype(dtype)
-  return jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=True))
+  return jnp.sqrt(view.matrix_sums(x * x))
 
 
 def hyperball(learning_rate: ScalarOrSchedule = 0.01, *, eps: ArrayLike = 1e-10,

@@ -78,6 +78,8 @@ def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solv
     if spec is None:
       spec = data_spec(tuple(leaf.shape), layout.mesh, layout.data_axis)
     view = wide.view.normalize(leaf.ndim)
+    if view.blocks > 1:  # the fan-out cut into blocks joins the count: XLA lays it out
+      return P()
     return stack_spec(spec, (view.batch, view.fan_in, view.fan_out), wide.transposed)
 
   def solve(wides, leaves, likes=None):

@@ -100,8 +100,7 @@ def scale_by_dual_norm(orthogonalizer: optax.GradientTransformation, *, routing:
     view = matrix_view_of(views, path, o).normalize(o.ndim)
     acc = jnp.promote_types(o.dtype, jnp.float32)
     m = reshard_to(m, explicit_spec(o))  # Explicit axes: one layout for the product
-    dual = jnp.sum(m.astype(acc) * o.astype(acc), axis=view.fan_in + view.fan_out,
-                   keepdims=True)
+    dual = view.matrix_sums(m.astype(acc) * o.astype(acc))
     return (dual * o.astype(acc)).astype(o.dtype)
 
   def update_fn(updates, state, params=None):

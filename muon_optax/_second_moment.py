@@ -125,7 +125,6 @@ def scale_by_second_moment(
     if o.size == 0:  # no matrix to normalize: a zero update, an untouched statistic
       return o, v
     view = matrix_view_of(views, path, o).normalize(o.ndim)
-    matrix_axes = view.fan_in + view.fan_out
     x = o.astype(v.dtype)
     square = x * x
     if over == "neurons":
@@ -142,9 +141,9 @@ def scale_by_second_moment(
       v = jnp.where(chosen, v, v_old)
     v_hat = v / (1 - b2 ** count).astype(v.dtype)
     normalized = x / (jnp.sqrt(v_hat) + eps)
-    norm = jnp.sqrt(jnp.sum(normalized * normalized, axis=matrix_axes, keepdims=True))
+    norm = jnp.sqrt(view.matrix_sums(normalized * normalized))
     if rescale == "norm":
-      target = jnp.sqrt(jnp.sum(x * x, axis=matrix_axes, keepdims=True))
+      target = jnp.sqrt(view.matrix_sums(x * x))
     else:
       _, fan_in, fan_out = view.matrix_shape(o.shape)
       target = jnp.sqrt(jnp.asarray(min(fan_in, fan_out), v.dtype))

@@ -18,6 +18,18 @@ class Track(NamedTuple):
   dynamic: bool = False  # indexed by a traced integer (an embedding-style lookup)
 
 
+class Product(NamedTuple):
+  """The result of a leaf's dot_general, followed to see whether the model only ever cuts
+  it into equal blocks along `axis`, the result dim that holds the major part of the
+  leaf's fan-out (`size` long): a fused projection, q, k and v in one kernel."""
+  leaf: int
+  axis: int
+  size: int
+  # One per dot_general: the slices of the values it becomes (the same cut of the same
+  # product, taken in several ops) are gathered to check that together they tile it.
+  origin: int
+
+
 class Use(NamedTuple):
   kind: str  # "dot", "conv", "grouped_conv", "gather", "dynamic", "elementwise"
   view: Optional[MatrixView] = None
@@ -119,6 +131,22 @@ def _dot_use(eqn, side: int, t: Track, shape) -> Use:
   return Use("dot", view, f"dot_general as {view.describe(shape)}")
 
 
+def _product_axis(eqn, side: int, t: Track, view: MatrixView) -> Optional[tuple[int, int]]:
+  """(result dim, its size) of the major part of the leaf's fan-out in a dot_general's
+  result, when the result holds the fan-out in the view's (flattened) order; else None."""
+  (contract, batch_dims) = eqn.params["dimension_numbers"]
+  taken = set(contract[side]) | set(batch_dims[side])
+  lhs = eqn.invars[0].aval
+  start = len(batch_dims[0]) + (0 if side == 0 else lhs.ndim - len(contract[0]) - len(batch_dims[0]))
+  free = [k for k in range(len(t.dims)) if k not in taken]
+  carried = [(pos, k) for pos, k in enumerate(free) if set(t.dims[k]) & set(view.fan_out)]
+  flat = [a for _, k in carried for a in t.dims[k]]
+  if not carried or flat != sorted(view.fan_out):
+    return None
+  pos, k = carried[0]
+  return start + pos, eqn.outvars[0].aval.shape[start + pos]
+
+
 def _conv_use(eqn, t: Track, rank: int, shape) -> Use:
   p = eqn.params
   groups = max(p["feature_group_count"], p["batch_group_count"])
@@ -157,6 +185,62 @@ class Walker:
     self.shapes = shapes
     self.uses = [dict() for _ in shapes]
     self.fed = set()
+    # A leaf's products: how many equal blocks each is cut into, whether one is used
+    # otherwise (whole), and the static slices taken of each product value.
+    self.cut_into = [set() for _ in shapes]
+    self.whole = [False] * len(shapes)
+    self.slices: dict[tuple[int, int, int], tuple[int, int, set]] = {}
+    self._origins = 0
+
+  def blocks(self, leaf: int) -> int:
+    """The equal blocks every product of `leaf` is cut into, and only cut into; else 1."""
+    cuts = set(self.cut_into[leaf])
+    for owner, size, taken in self.slices.values():
+      if owner == leaf:
+        parts = sorted(taken)
+        k = len(parts)
+        tiles = k > 1 and size % k == 0 and parts == [
+            (i * size // k, (i + 1) * size // k) for i in range(k)]
+        if not tiles:
+          return 1
+        cuts.add(k)
+    return cuts.pop() if len(cuts) == 1 and not self.whole[leaf] else 1
+
+  def _product(self, leaf, axis, size) -> Product:
+    self._origins += 1
+    return Product(leaf, axis, size, self._origins)
+
+  def product_use(self, eqn, k: int, t: Product) -> Optional[Product]:
+    """What `eqn` does with product `t` (its k-th input): a cut into blocks (recorded;
+    None), an op that keeps it a product (the output's), or any other use (whole)."""
+    name, p = eqn.primitive.name, eqn.params
+    in_shape, out_shape = eqn.invars[k].aval.shape, eqn.outvars[0].aval.shape
+    if name == "split" and k == 0:
+      sizes = p["sizes"]
+      if p["axis"] == t.axis and len(set(sizes)) == 1 and len(sizes) > 1:
+        self.cut_into[t.leaf].add(len(sizes))
+        return None
+    elif name == "slice" and k == 0 and not any(s not in (None, 1) for s in p["strides"] or ()):
+      start, limit = p["start_indices"], p["limit_indices"]
+      if all(start[d] == 0 and limit[d] == in_shape[d] for d in range(len(in_shape))
+             if d != t.axis):
+        self.slices.setdefault((t.origin, t.axis, t.size), (t.leaf, t.size, set()))[2].add(
+            (start[t.axis], limit[t.axis]))
+        return None
+    elif len(eqn.outvars) == 1 and (name in _LAYOUT or name in _SCALAR_OPS or name == "add_any"):
+      if out_shape == in_shape:
+        return t
+    elif name == "transpose":
+      return t._replace(axis=list(p["permutation"]).index(t.axis))
+    elif name == "reshape":
+      before = math.prod(in_shape[:t.axis])
+      for j in range(len(out_shape)):
+        if math.prod(out_shape[:j]) == before and t.size % out_shape[j] == 0 and (
+            math.prod(out_shape[j:]) == math.prod(in_shape[t.axis:])) and out_shape[j] > 1:
+          # The same dim, or its major part after a split: blocks along it stay contiguous.
+          return t._replace(axis=j, size=out_shape[j])
+    self.whole[t.leaf] = True
+    return None
 
   def use(self, leaf, u: Use):
     self.uses[leaf].setdefault(u, None)
@@ -188,16 +272,34 @@ class Walker:
       carry = grown
 
   def eqn(self, eqn, ts, ls):
+    name = eqn.primitive.name
+    products = [(k, t) for k, t in enumerate(ts) if isinstance(t, Product)]
+    if products and (name in ("scan", "while", "cond") or _sub_jaxpr(eqn) is None):
+      ts = [None if isinstance(t, Product) else t for t in ts]
+      kept = [self.product_use(eqn, k, t) for k, t in products]
+      out_t, out_l = self._eqn(eqn, ts, ls)
+      kept = [t for t in kept if t is not None]
+      if kept and out_t[0] is None:
+        out_t = [kept[0], *out_t[1:]]
+      return out_t, out_l
+    return self._eqn(eqn, ts, ls)
+
+  def _eqn(self, eqn, ts, ls):
     name, n_out = eqn.primitive.name, len(eqn.outvars)
     union = frozenset().union(*ls)
     tracked = [(k, t) for k, t in enumerate(ts) if t is not None]
     if not tracked:  # no parameter inside either, so nothing resets what it carries
       return [None] * n_out, [union] * n_out
     if name == "dot_general":
+      out, product = [None], None
       for k, t in tracked:
-        self.use(t.leaf, _dot_use(eqn, k, t, self.shapes[t.leaf]))
+        use = _dot_use(eqn, k, t, self.shapes[t.leaf])
+        self.use(t.leaf, use)
+        if isinstance(t, Track) and use.view is not None and len(tracked) == 1:
+          where = _product_axis(eqn, k, t, use.view)
+          product = None if where is None else self._product(t.leaf, *where)
       self.fed |= union
-      return [None], [frozenset(t.leaf for _, t in tracked)]
+      return [product] if product is not None else out, [frozenset(t.leaf for _, t in tracked)]
     if name == "conv_general_dilated":
       for k, t in tracked:
         shape = self.shapes[t.leaf]

@@ -13,17 +13,20 @@ import jax.numpy as jnp
 
 class MatrixView(NamedTuple):
   """Axis roles of one leaf: `batch` axes index independent matrices of shape
-  (prod(fan_in axes), prod(fan_out axes))."""
+  (prod(fan_in axes), prod(fan_out axes)). With `blocks` > 1 the fan-out is that many
+  equal contiguous blocks, each a matrix of its own: a fused projection (q, k and v in
+  one (d, 3d) kernel) that the model splits after its product."""
 
   batch: tuple[int, ...]
   fan_in: tuple[int, ...]
   fan_out: tuple[int, ...]
+  blocks: int = 1
 
   def normalize(self, rank: int) -> MatrixView:
     """The same view with every axis in [0, rank); a ValueError unless the axes
     are a permutation of the leaf's axes."""
     fix = lambda axes: tuple(int(a) % rank if -rank <= a < rank else a for a in axes)
-    view = MatrixView(fix(self.batch), fix(self.fan_in), fix(self.fan_out))
+    view = MatrixView(fix(self.batch), fix(self.fan_in), fix(self.fan_out), self.blocks)
     if sorted(view.batch + view.fan_in + view.fan_out) != list(range(rank)):
       raise ValueError(
           f"matrix view {self} must name every axis of a rank-{rank} leaf exactly once "
@@ -34,25 +37,45 @@ class MatrixView(NamedTuple):
     """(number of matrices, fan_in, fan_out) for a leaf of logical `shape`."""
     view = self.normalize(len(shape))
     size = lambda axes: math.prod(shape[a] for a in axes)
-    return size(view.batch), size(view.fan_in), size(view.fan_out)
+    fan_out = size(view.fan_out)
+    if fan_out % view.blocks:
+      raise ValueError(f"matrix view {self} cuts a fan-out of {fan_out} into {view.blocks} "
+                       "blocks, which do not divide it.")
+    return size(view.batch) * view.blocks, size(view.fan_in), fan_out // view.blocks
 
   def describe(self, shape: Sequence[int]) -> str:
     count, fan_in, fan_out = self.matrix_shape(shape)
+    if self.blocks > 1:
+      return f"split into {count} × {fan_in}×{fan_out}"
     return f"{count}×({fan_in}×{fan_out})" if self.batch else f"{fan_in}×{fan_out}"
 
   def to_matrices(self, x: jax.Array) -> jax.Array:
     """Leaf -> (count, fan_in, fan_out)."""
     view = self.normalize(x.ndim)
     order = view.batch + view.fan_in + view.fan_out
-    return jnp.transpose(x, order).reshape(view.matrix_shape(x.shape))
+    count, fan_in, fan_out = view.matrix_shape(x.shape)
+    m = jnp.transpose(x, order).reshape(count // view.blocks, fan_in, view.blocks, fan_out)
+    return jnp.swapaxes(m, 1, 2).reshape(count, fan_in, fan_out)
 
   def from_matrices(self, m: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """(count, fan_in, fan_out) -> leaf of `shape`; the inverse of `to_matrices`."""
     view = self.normalize(len(shape))
     order = view.batch + view.fan_in + view.fan_out
+    count, fan_in, fan_out = m.shape
+    m = jnp.swapaxes(m.reshape(count // view.blocks, view.blocks, fan_in, fan_out), 1, 2)
     permuted = m.reshape(tuple(shape[a] for a in order))
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return jnp.transpose(permuted, inverse)
+
+  def matrix_sums(self, x: jax.Array) -> jax.Array:
+    """The sum of each matrix's entries, broadcastable against `x` (a leaf of this
+    view): a Frobenius norm's square is `matrix_sums(x * x)`."""
+    view = self.normalize(x.ndim)
+    if view.blocks == 1:
+      return jnp.sum(x, axis=view.fan_in + view.fan_out, keepdims=True)
+    m = view.to_matrices(x)
+    sums = jnp.broadcast_to(jnp.sum(m, axis=(1, 2), keepdims=True), m.shape)
+    return view.from_matrices(sums, x.shape)
 
 
 ViewFn = Callable[[str, tuple[int, ...]], Optional[MatrixView]]

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from muon_optax._routing.jaxpr_uses import Track, Use, Walker
+from muon_optax._routing.jaxpr_uses import Product, Track, Use, Walker
 from muon_optax._routing.matrix_view import MatrixView, ViewFn, default_view
 from muon_optax._routing.name_rules import ADAM, FROZEN, MUON, Rule, check_rules, first_match
 from muon_optax._routing.value import Decision, Routing
@@ -26,7 +26,8 @@ def _per_head(view: MatrixView) -> MatrixView:
   return view
 
 
-def _decide(path: str, shape, uses: list[Use], head: bool, per_head: bool) -> Decision:
+def _decide(path: str, shape, uses: list[Use], head: bool, per_head: bool,
+            blocks: int = 1) -> Decision:
   kinds = {u.kind for u in uses}
   matrix = {u.view for u in uses if u.kind in ("dot", "conv")}
   shown = ", ".join(sorted({u.detail or u.kind for u in uses}))
@@ -56,7 +57,9 @@ def _decide(path: str, shape, uses: list[Use], head: bool, per_head: bool) -> De
   view = matrix.pop()
   if head:
     return Decision(ADAM, None, "feeds the output → head")
-  if per_head and "dot" in kinds:
+  if blocks > 1 and "conv" not in kinds:  # a fused projection: one matrix per block
+    view = view._replace(blocks=blocks)
+  elif per_head and "dot" in kinds:
     view = _per_head(view)
   if "conv" in kinds:
     return Decision(MUON, view, next(u.detail for u in uses if u.kind == "conv"))
@@ -187,14 +190,14 @@ def _heads(out_l, fed, names, picked, outcome, paths) -> frozenset:
       f"result that picks the model's output, e.g. output=lambda out: {example}.")
 
 
-def _route_leaf(path, leaf, shape, uses, head, per_head, overrides, views) -> Decision:
+def _route_leaf(path, leaf, shape, uses, head, per_head, overrides, views, blocks) -> Decision:
   """The leaf's decision: the first matching override, else the inferred one."""
   dtype = jax.numpy.result_type(leaf)
   try:
     if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):  # a counter, an index table
       inferred, error = Decision(FROZEN, None, f"{dtype} → frozen"), None
     else:
-      inferred, error = _decide(path, shape, uses, head, per_head), None
+      inferred, error = _decide(path, shape, uses, head, per_head, blocks), None
   except ValueError as e:
     inferred, error = None, e
   decision = _override(overrides, path, leaf, shape, per_head, inferred)
@@ -224,6 +227,9 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
     per head with `per_head=True`;
   - conv_general_dilated → "muon", (spatial · in_features) × out_features from the
     dimension numbers; grouped / depthwise → "adam";
+  - a dot_general whose result is only ever cut into equal blocks along its fan-out (a
+    fused q/k/v kernel (d, 3d) split into q, k and v, a fused gate/up (d, 2f)): one
+    matrix per block (`MatrixView(blocks=...)`), as the model uses them;
   - a dot_general or conv whose result reaches the output with no other parameter's
     dot_general or conv after it, and feeds none (the head) → "adam"; elementwise use
     only → "adam".
@@ -270,10 +276,14 @@ def infer_routing(f: Callable[..., Any], *args: Any, overrides: Sequence[Rule] =
   walker = Walker(shapes)
   tracks = [Track(i, tuple((a,) for a in range(len(s))), frozenset()) for i, s in enumerate(shapes)]
   invars = closed.jaxpr.invars
-  _, out_l = walker.walk(closed.jaxpr, tracks + [None] * (len(invars) - n),
-                         [frozenset()] * len(invars))
+  out_t, out_l = walker.walk(closed.jaxpr, tracks + [None] * (len(invars) - n),
+                             [frozenset()] * len(invars))
+  for t in out_t:  # a product f returns is used whole
+    if isinstance(t, Product):
+      walker.whole[t.leaf] = True
   route = lambda i, head: _route_leaf(leaves[i][0], leaves[i][1], shapes[i],
-                                      list(walker.uses[i]), head, per_head, overrides, views)
+                                      list(walker.uses[i]), head, per_head, overrides, views,
+                                      walker.blocks(i))
 
   def outcome(i, head):
     try:

@@ -81,7 +81,9 @@ def _routing_record(params: Any, state: Any, routing: _routing.Routing) -> Optio
   for path, x in paths.leaves_with_path(params):
     view = routing.view(path, tuple(jnp.shape(x))) if flat_labels[path] == _routing.MUON else None
     if view is not None:
-      view = {**view._asdict(), "matrices": view.describe(jnp.shape(x))}
+      # `blocks` only where the view cuts the fan-out: older records have no such field.
+      fields = {k: v for k, v in view._asdict().items() if k != "blocks" or v != 1}
+      view = {**fields, "matrices": view.describe(jnp.shape(x))}
     record[path] = {"label": flat_labels[path], "view": view}
   return record
 
