@@ -118,6 +118,13 @@ JORDAN5 = mo.NewtonSchulz("jordan", steps=5)
 JORDAN5_STANDARD = mo.NewtonSchulz("jordan", steps=5, gram=False)
 
 
+def split_qkv(path: str, shape: tuple[int, ...]) -> mo.MatrixView:
+  """The default view, with a fused attention qkv kernel (d, 3d) as its 3 blocks: what
+  infer_routing finds where the model splits its product into q, k and v."""
+  view = mo.default_view(path, shape)
+  return view._replace(blocks=3) if "qkv" in path else view
+
+
 def optimizer_arms(params: Any, learning_rate: float = 0.02, adam_learning_rate: float = 3e-4,
                    names: Optional[Sequence[str]] = None
                    ) -> dict[str, optax.GradientTransformation]:
@@ -131,7 +138,7 @@ def optimizer_arms(params: Any, learning_rate: float = 0.02, adam_learning_rate:
   adam = mo.AuxAdam(learning_rate=adam_learning_rate, b1=0.9, b2=0.999, eps=1e-8)
 
   def muon(alias=mo.muon, **options):
-    return alias(learning_rate, adam=adam, routing=labels, **options)
+    return alias(learning_rate, adam=adam, **{"routing": labels, **options})
 
   make = {
       "muon_optax.muon (defaults)": muon,
@@ -140,6 +147,12 @@ def optimizer_arms(params: Any, learning_rate: float = 0.02, adam_learning_rate:
       "muon_optax.normuon": lambda: muon(mo.normuon),
       "muon_optax.adamuon": lambda: muon(mo.adamuon),
       "muon_optax.muon scale='adaptive'": lambda: muon(scale="adaptive"),
+      "muon_optax.muon qkv split in 3": lambda: muon(
+          routing=mo.Routing.from_labels(labels, views=split_qkv)),
+      "muon_optax.nordion2 (fraction 0.25)": lambda: muon(mo.nordion2),
+      "muon_optax.muonbp (8 blocks, period 4)": lambda: muon(
+          mo.muonbp, blocks=mo.BlockPeriodic(4, devices=8)),
+      "muon_optax.muonh": lambda: muon(mo.muonh),
       "optax.contrib.muon": lambda: jordan_contrib_muon(params, learning_rate,
                                                         adam_learning_rate),
       "optax.adamw": lambda: optax.adamw(adam_learning_rate, b1=0.9, b2=0.999, eps=1e-8,

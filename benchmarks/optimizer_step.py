@@ -5,7 +5,10 @@ A GPT-2-small-shaped params tree (`common.gpt2_tree`: token/position embeddings
 3072×768 kernels, their biases and two LayerNorms; a final LayerNorm; tied LM head), at
 2 and 12 layers. The arms (`common.optimizer_arms`): muon_optax's `muon` with defaults,
 with jordan at 5 steps (Gram-space where it picks it, and standard only), `normuon`,
-`adamuon` and `muon(scale="adaptive")`; optax.contrib.muon (jordan, 5 steps); optax.adamw.
+`adamuon` and `muon(scale="adaptive")`; the frontier: `muon` with the qkv kernel split in
+its 3 blocks, `nordion2` (fraction 0.25), `muonbp` (the blocks of 8 devices, period 4: its
+steps average 3 block steps and 1 full one) and `muonh`; optax.contrib.muon (jordan, 5
+steps); optax.adamw.
 Routing is made equal: every Muon arm sends exactly the 4 kernels per layer to Muon
 (optax.contrib.muon through `muon_weight_dimension_numbers`) and everything else to the
 same AdamW; beta 0.95, Nesterov.

@@ -95,6 +95,8 @@ def test_optimizer_step_times_every_arm(tmp_path, capsys):
   assert list(times) == ["muon_optax.muon (defaults)", "muon_optax.muon jordan 5",
                          "muon_optax.muon jordan 5 gram=False", "muon_optax.normuon",
                          "muon_optax.adamuon", "muon_optax.muon scale='adaptive'",
+                         "muon_optax.muon qkv split in 3", "muon_optax.nordion2 (fraction 0.25)",
+                         "muon_optax.muonbp (8 blocks, period 4)", "muon_optax.muonh",
                          "optax.contrib.muon", "optax.adamw"]
   assert all(len(t) == 2 and min(t) > 0 for t in times.values())
   out = capsys.readouterr().out
