@@ -125,6 +125,19 @@ def split_qkv(path: str, shape: tuple[int, ...]) -> mo.MatrixView:
   return view._replace(blocks=3) if "qkv" in path else view
 
 
+def at_step(tx: optax.GradientTransformation, step: int) -> optax.GradientTransformation:
+  """`tx` with its MuonBP step count fixed at `step` when it updates: only that kind of
+  step (block or full) is compiled, so each kind's collectives and flops can be read."""
+
+  def fix(state):
+    return jax.tree.map(
+        lambda x: mo.BlockPeriodicState(np.asarray(step, np.int32))
+        if isinstance(x, mo.BlockPeriodicState) else x,
+        state, is_leaf=lambda x: isinstance(x, mo.BlockPeriodicState))
+
+  return optax.GradientTransformation(tx.init, lambda u, s, p=None: tx.update(u, fix(s), p))
+
+
 def optimizer_arms(params: Any, learning_rate: float = 0.02, adam_learning_rate: float = 3e-4,
                    names: Optional[Sequence[str]] = None
                    ) -> dict[str, optax.GradientTransformation]:

@@ -1,5 +1,6 @@
 """Distributed Muon vs optax.contrib.muon under the same sharding: per-device flops,
-collectives, the bytes they move and optimizer-state bytes on a GPT-2-small-shaped tree.
+collectives, the bytes they move and optimizer-state bytes on a GPT-2-small-shaped tree;
+NorDion2 (fraction 0.25) and each kind of MuonBP step (period 4) beside them.
 
     python -m benchmarks.distributed [--layers 12] [--devices 1 2 4 8] [--biases]
     python -m benchmarks.distributed --layers 1 --d 64 --vocab 256 --devices 1 2  # smallest
@@ -35,7 +36,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
-from benchmarks.common import gpt2_tree, header  # noqa: E402
+from benchmarks.common import at_step, gpt2_tree, header  # noqa: E402
 from benchmarks.hlo import collective_stats  # noqa: E402
 
 
@@ -111,7 +112,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
       least = minimal_bytes(params, mesh, kind)
       adam = mo.AuxAdam(backend="optax")
       placement = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded")
+      bp = mo.muonbp(0.02, blocks=mo.BlockPeriodic(period=4), mesh=placement, adam=adam)
       arms = {"muon_optax": mo.muon(0.02, mesh=placement, adam=adam),
+              "nordion2 (0.25)": mo.nordion2(0.02, mesh=placement, adam=adam),
+              "muonbp full step": at_step(bp, 0),
+              "muonbp block step": at_step(bp, 1),
               "optax.contrib.muon": optax.contrib.muon(
                   0.02, muon_weight_dimension_numbers=contrib_dimension_numbers)}
       for name, tx in arms.items():
@@ -123,7 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"{r['collectives']:>11} {r['collective_bytes'] / 1e6:>9.1f} {least / 1e6:>10.1f} "
               f"{r['collective_bytes'] / least if least else 0:>6.2f} "
               f"{r['state_bytes'] / 1e6:>15.1f}")
-        if n == max(args.devices) and name.startswith("muon_optax"):
+        if n == max(args.devices) and name != "optax.contrib.muon":
           print(f"{'':<10} {name} collectives: {r['detail']}")
   print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
   print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "

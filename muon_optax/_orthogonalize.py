@@ -94,9 +94,11 @@ def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solv
   return solve
 
 
-def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None]) -> Solver:
+def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
+               around: Optional[Callable[[Callable], Callable]] = None) -> Solver:
   """The solver of `ns` (a `NewtonSchulz` or a preset name): on one device, or dealt over
-  `mesh`."""
+  `mesh`. `around(ns_fn)`, if given, is the function each whole stack goes through
+  instead of Newton–Schulz (a selection around it); such stacks are never split."""
   ns = as_newton_schulz(ns)
   if ns.fn is None:
     ns_fn = functools.partial(newton_schulz, ns=ns)
@@ -104,6 +106,8 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None]) -> Solver:
     cost = ns
   else:  # a custom function sees whole matrices only; balance as if it were Jordan's
     ns_fn, split_fn, cost = ns.fn, None, NewtonSchulz("jordan", gram=False)
+  if around is not None:
+    ns_fn, split_fn = around(ns_fn), None
   layout = as_mesh_layout(mesh)
   return grouped_solver(ns_fn) if layout is None else mesh_solver(ns_fn, split_fn, cost, layout)
 

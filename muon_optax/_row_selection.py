@@ -4,6 +4,7 @@ buffer is largest, and let the others accumulate until they are chosen."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple, Optional, Union
 
@@ -17,12 +18,9 @@ from jax.typing import ArrayLike
 from muon_optax._distributed.mesh_layout import MeshLayout
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import _Wide, solver_for
-from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
+from muon_optax._routing.matrix_view import matrix_view_of
 from muon_optax._routing.value import as_routing
 from muon_optax._util import paths, validate
-
-# The compact (count, fan_in, k) stacks of selected neurons, seen as plain matrices.
-_STACK_VIEW = MatrixView((0,), (1,), (2,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +92,10 @@ def select_rows(
   kernel, a row of a PyTorch (out, in) weight (the paper's "rows"), so each selected
   neuron's update is a whole column, and NorMuon's per-neuron normalization applies.
   Newton–Schulz sees only the fan_in × k submatrices, so its flops shrink with α (for a
-  wide matrix about as α², for a tall one as α). The selection is on the whole matrix
-  wherever it lies, so results do not depend on the mesh. At α = 1 the direction is
-  Muon's without Nesterov (B is then a heavy-ball momentum).
+  wide matrix about as α², for a tall one as α). The selection is made on the whole
+  matrix, on the device that orthogonalizes it: results do not depend on the mesh, and
+  a mesh moves Muon's bytes. At α = 1 the direction is Muon's without Nesterov (B is
+  then a heavy-ball momentum).
 
   Args:
     select: the `RowSelection` (the fraction α).
@@ -124,40 +123,45 @@ def select_rows(
   validate.decay_rate("ef_decay", ef_decay)
   mu_dtype = validate.floating_dtype("mu_dtype", mu_dtype)
   views = as_routing(routing).view
-  solver = solver_for(ns, mesh)
+  # The selection runs where the whole matrix is: on the device Newton–Schulz gives it
+  # to, inside the exchange, so a mesh moves what Muon's would and nothing more.
+  solver = solver_for(ns, mesh, around=lambda ns_fn: functools.partial(
+      _select_and_orthogonalize, select=select, ns_fn=ns_fn))
 
   def init_fn(params):
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
 
   def update_fn(updates, state, params=None):
-    del params
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
-    buffers = treedef.flatten_up_to(state.buffer)
-    # leaf number -> (view, buffer stack, indices, chosen submatrices); empty leaves have
-    # no direction, so their update is zero (they are empty) and their buffer stays.
-    picked = {}
-    for i, ((path, g), b) in enumerate(zip(flat, buffers)):
-      if paths.is_masked(g) or not g.size:
-        continue
-      view = matrix_view_of(views, paths.path_str(path), g)
-      stack = view.to_matrices(b + g.astype(b.dtype))
-      index, chosen = _select(stack, select.count(stack.shape[-1]))
-      picked[i] = (view, stack, index, chosen)
-    wides = [_wide(chosen.astype(flat[i][1].dtype)) for i, (*_, chosen) in picked.items()]
-    results = solver(wides, [w.stack for w in wides], None)
+    buffers = [b if paths.is_masked(g) else b + g.astype(b.dtype)
+               for (_, g), b in zip(flat, treedef.flatten_up_to(state.buffer))]
+    # Empty leaves have no direction: their update is zero (they are empty).
+    live = [i for i, (_, g) in enumerate(flat) if not paths.is_masked(g) and g.size]
+    leaf_views = {i: matrix_view_of(views, paths.path_str(flat[i][0]), flat[i][1]) for i in live}
+    # (count, fan_in, fan_out) stacks, not turned wide: the selection needs the fan-out.
+    stacks = [_Wide(leaf_views[i].to_matrices(buffers[i].astype(flat[i][1].dtype)),
+                    leaf_views[i], False) for i in live]
+    likes = None if params is None else jax.tree_util.tree_leaves(params, is_leaf=paths.is_masked)
+    likes = [likes[i] for i in live] if likes is not None and len(likes) == len(flat) else None
+    results = solver(stacks, [buffers[i] for i in live], likes)
     out, new_buffers = [g for _, g in flat], list(buffers)
-    for (i, (view, stack, index, chosen)), wide, result in zip(picked.items(), wides, results):
-      shape, dtype = flat[i][1].shape, flat[i][1].dtype
-      orthogonal = jnp.swapaxes(result, -1, -2) if wide.transposed else result
-      out[i] = view.from_matrices(_scatter(orthogonal.astype(dtype), index, stack.shape[-1]),
-                                  shape)
-      decayed = _scatter((1 - ef_decay) * chosen, index, stack.shape[-1])
-      new_buffers[i] = view.from_matrices(stack - decayed.astype(stack.dtype), shape)
+    for i, result in zip(live, results):
+      view, g = leaf_views[i], flat[i][1]
+      out[i] = view.from_matrices(result, g.shape).astype(g.dtype)
+      # The selected neurons are those with a nonzero update: their buffer decays.
+      chosen = jnp.any(out[i] != 0, axis=view.normalize(g.ndim).fan_in, keepdims=True)
+      new_buffers[i] = jnp.where(chosen, ef_decay * buffers[i], buffers[i]).astype(buffers[i].dtype)
     return treedef.unflatten(out), RowSelectionState(treedef.unflatten(new_buffers))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _wide(chosen: jax.Array) -> _Wide:
+def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) -> jax.Array:
+  """A (count, fan_in, fan_out) stack orthogonalized on its selected output neurons
+  only, zero on the others."""
+  index, chosen = _select(stack, select.count(stack.shape[-1]))
   tall = chosen.shape[-2] > chosen.shape[-1]
-  return _Wide(jnp.swapaxes(chosen, -1, -2) if tall else chosen, _STACK_VIEW, tall)
+  wide = jnp.swapaxes(chosen, -1, -2) if tall else chosen
+  orthogonal = ns_fn(wide)
+  orthogonal = jnp.swapaxes(orthogonal, -1, -2) if tall else orthogonal
+  return _scatter(orthogonal.astype(stack.dtype), index, stack.shape[-1])
