@@ -1,6 +1,7 @@
 """Distributed Muon vs optax.contrib.muon under the same sharding: per-device flops,
 collectives, the bytes they move and optimizer-state bytes on a GPT-2-small-shaped tree;
-NorDion2 (fraction 0.25) and each kind of MuonBP step (period 4) beside them.
+NorDion2 (fraction 0.25, chosen per matrix and per shard) and each kind of MuonBP step
+(period 4) beside them.
 
     python -m benchmarks.distributed [--layers 12] [--devices 1 2 4 8] [--biases]
     python -m benchmarks.distributed --layers 1 --d 64 --vocab 256 --devices 1 2  # smallest
@@ -115,6 +116,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
       bp = mo.muonbp(0.02, blocks=mo.BlockPeriodic(period=4), mesh=placement, adam=adam)
       arms = {"muon_optax": mo.muon(0.02, mesh=placement, adam=adam),
               "nordion2 (0.25)": mo.nordion2(0.02, mesh=placement, adam=adam),
+              "nordion2 per shard": mo.nordion2(0.02, mesh=placement, adam=adam,
+                                                fraction=mo.RowSelection(0.25, scope="shard")),
               "muonbp full step": at_step(bp, 0),
               "muonbp block step": at_step(bp, 1),
               "optax.contrib.muon": optax.contrib.muon(

@@ -369,7 +369,7 @@ def adamuon(
 def dion2(
     learning_rate: ScalarOrSchedule = 0.02,
     *,
-    fraction: float = 0.25,
+    fraction: Union[float, RowSelection] = 0.25,
     beta: ArrayLike = 0.95,
     ns: NS = DEFAULT_NS,
     scale: Optional[str] = "jordan",
@@ -388,6 +388,8 @@ def dion2(
   L1 norm are orthogonalized together and updated, and their buffer decays by `beta`;
   the others keep accumulating until chosen (`select_rows`). Then `scale` and decoupled
   weight decay on the whole matrix, as in `muon`, whose other arguments it shares.
+  `fraction` may be a `RowSelection`, for its scope: `RowSelection(0.25, scope="shard")`
+  chooses within each device's shard, so that only the chosen neurons travel.
 
   Examples:
     >>> import jax.numpy as jnp, muon_optax as mo
@@ -401,17 +403,21 @@ def dion2(
   """
   direction = scale_by_muon(beta, nesterov=False, ns=ns, scale=_family_scale(scale),
                             mu_dtype=mu_dtype, routing=routing, mesh=mesh,
-                            select=RowSelection(fraction))
+                            select=_selection(fraction))
   return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
                  weight_decay_mask=weight_decay_mask, adam=adam,
                  adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
                  routing=routing, mesh=mesh)
 
 
+def _selection(fraction: Union[float, RowSelection]) -> RowSelection:
+  return fraction if isinstance(fraction, RowSelection) else RowSelection(fraction)
+
+
 def nordion2(
     learning_rate: ScalarOrSchedule = 0.02,
     *,
-    fraction: float = 0.25,
+    fraction: Union[float, RowSelection] = 0.25,
     beta: ArrayLike = 0.95,
     ns: NS = DEFAULT_NS,
     scale: Optional[str] = "jordan",
@@ -445,7 +451,7 @@ def nordion2(
   normalize = SecondMoment("neurons", b2=b2, eps=1e-10, rescale="norm", selected_only=True)
   direction = scale_by_muon(beta, nesterov=False, ns=ns, scale=_family_scale(scale),
                             mu_dtype=mu_dtype, routing=routing, mesh=mesh,
-                            normalize=normalize, select=RowSelection(fraction))
+                            normalize=normalize, select=_selection(fraction))
   return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
                  weight_decay_mask=weight_decay_mask, adam=adam,
                  adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,

@@ -15,18 +15,33 @@ import optax
 from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
-from muon_optax._distributed.mesh_layout import MeshLayout
+from muon_optax._distributed.layouts import divided_axis
+from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import _Wide, solver_for
-from muon_optax._routing.matrix_view import matrix_view_of
+from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
 from muon_optax._routing.value import as_routing
 from muon_optax._util import paths, validate
+
+SCOPES = ("matrix", "shard")
+# The compact (count, fan_in, k) stacks of chosen neurons, seen as plain matrices.
+_STACK_VIEW = MatrixView((0,), (1,), (2,))
 
 
 @dataclasses.dataclass(frozen=True)
 class RowSelection:
-  """Dion2's selection as one value, as `scale_by_muon(select=...)` takes it: the
-  fraction of each matrix's output neurons orthogonalized per step, in (0, 1].
+  """Dion2's selection as one value, as `scale_by_muon(select=...)` takes it.
+
+  Attributes:
+    fraction: of each matrix's output neurons, those orthogonalized per step, in (0, 1].
+    scope: "matrix": the top of the whole matrix, chosen where the matrix is
+      orthogonalized (the results do not depend on the mesh). "shard": chosen where the
+      neurons lie, so that only the chosen ones travel: where the devices split a leaf's
+      leading fan-out axis (its state's layout, as `state_shardings` makes it), the top
+      of each device's shard of neurons; elsewhere the top of the whole matrix, chosen
+      before the exchange (its norms are all that is gathered). The results depend on
+      the device count, not on the mesh otherwise.
+    devices: with scope="shard", that device count; None on a mesh: its data axes'.
 
   Examples:
     >>> import muon_optax as mo
@@ -34,8 +49,15 @@ class RowSelection:
   """
 
   fraction: float = 0.25
+  scope: str = "matrix"
+  devices: Optional[int] = None
 
   def __post_init__(self):
+    if self.scope not in SCOPES:
+      raise ValueError(f"RowSelection(scope={self.scope!r}): choose one of {list(SCOPES)}.")
+    if self.devices is not None and (isinstance(self.devices, bool) or not isinstance(
+        self.devices, int) or self.devices < 1):
+      raise ValueError(f"RowSelection(devices={self.devices!r}) must be a positive integer.")
     if isinstance(self.fraction, (jax.Array, np.ndarray)):
       raise ValueError(
           f"fraction must be a Python number, got an array ({self.fraction!r}): it decides "
@@ -65,10 +87,10 @@ def _select(b: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 def _scatter(chosen: jax.Array, index: jax.Array, fan_out: int) -> jax.Array:
   """(count, fan_in, k) values at neurons `index` of a zero (count, fan_in, fan_out) stack."""
-  count, fan_in, _ = chosen.shape
-  out = jnp.zeros((count, fan_in, fan_out), chosen.dtype)
-  return out.at[jnp.arange(count)[:, None, None], jnp.arange(fan_in)[None, :, None],
-                index[:, None, :]].set(chosen)
+  # A row's scatter, batched over rows and matrices: batch dims the partitioner keeps
+  # where they lie, not index arrays it would gather.
+  row = lambda values, where: jnp.zeros(fan_out, chosen.dtype).at[where].set(values)
+  return jax.vmap(jax.vmap(row, in_axes=(0, None)))(chosen, index)
 
 
 def select_rows(
@@ -123,10 +145,20 @@ def select_rows(
   validate.decay_rate("ef_decay", ef_decay)
   mu_dtype = validate.floating_dtype("mu_dtype", mu_dtype)
   views = as_routing(routing).view
-  # The selection runs where the whole matrix is: on the device Newton–Schulz gives it
-  # to, inside the exchange, so a mesh moves what Muon's would and nothing more.
-  solver = solver_for(ns, mesh, around=lambda ns_fn: functools.partial(
-      _select_and_orthogonalize, select=select, ns_fn=ns_fn))
+  layout = as_mesh_layout(mesh)
+  if select.scope == "matrix":
+    # The selection runs where the whole matrix is: on the device Newton–Schulz gives it
+    # to, inside the exchange, so a mesh moves what Muon's would and nothing more.
+    solver = solver_for(ns, mesh, around=lambda ns_fn: functools.partial(
+        _select_and_orthogonalize, select=select, ns_fn=ns_fn))
+    groups = None
+  else:  # each shard's neurons chosen where they lie: only they reach the exchange
+    solver = solver_for(ns, mesh)
+    groups = select.devices or (None if layout is None else math.prod(
+        layout.mesh.shape[a] for a in layout.data_axis))
+    if groups is None:
+      raise ValueError("RowSelection(scope='shard', devices=None) takes its groups from a "
+                       "mesh: pass mesh=, or devices= the number of shards.")
 
   def init_fn(params):
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
@@ -138,12 +170,22 @@ def select_rows(
     # Empty leaves have no direction: their update is zero (they are empty).
     live = [i for i, (_, g) in enumerate(flat) if not paths.is_masked(g) and g.size]
     leaf_views = {i: matrix_view_of(views, paths.path_str(flat[i][0]), flat[i][1]) for i in live}
-    # (count, fan_in, fan_out) stacks, not turned wide: the selection needs the fan-out.
-    stacks = [_Wide(leaf_views[i].to_matrices(buffers[i].astype(flat[i][1].dtype)),
-                    leaf_views[i], False) for i in live]
-    likes = None if params is None else jax.tree_util.tree_leaves(params, is_leaf=paths.is_masked)
-    likes = [likes[i] for i in live] if likes is not None and len(likes) == len(flat) else None
-    results = solver(stacks, [buffers[i] for i in live], likes)
+    stacks = [leaf_views[i].to_matrices(buffers[i].astype(flat[i][1].dtype)) for i in live]
+    if groups is None:
+      # (count, fan_in, fan_out) stacks, not turned wide: the selection needs the fan-out.
+      likes = None if params is None else jax.tree_util.tree_leaves(params,
+                                                                   is_leaf=paths.is_masked)
+      likes = [likes[i] for i in live] if likes is not None and len(likes) == len(flat) else None
+      results = solver([_Wide(m, leaf_views[i], False) for i, m in zip(live, stacks)],
+                       [buffers[i] for i in live], likes)
+    else:
+      # Groups where the devices split the leading fan-out axis (each holds whole neurons);
+      # elsewhere one, whose selection needs only the norms gathered, not the matrix.
+      shapes = [flat[i][1].shape for i in live]
+      counts = [groups if divided_axis(shape, groups) == leaf_views[i].normalize(len(shape)
+                                                                          ).fan_out[0] else 1
+                for i, shape in zip(live, shapes)]
+      results = _per_shard(stacks, counts, select, solver)
     out, new_buffers = [g for _, g in flat], list(buffers)
     for i, result in zip(live, results):
       view, g = leaf_views[i], flat[i][1]
@@ -165,3 +207,35 @@ def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) 
   orthogonal = ns_fn(wide)
   orthogonal = jnp.swapaxes(orthogonal, -1, -2) if tall else orthogonal
   return _scatter(orthogonal.astype(stack.dtype), index, stack.shape[-1])
+
+
+def _per_shard(stacks: list[jax.Array], groups: list[int], select: RowSelection,
+               solver) -> list:
+  """Each (count, fan_in, fan_out) stack orthogonalized on the top neurons of each of its
+  `groups` contiguous groups of its fan-out; only those chosen go to `solver`."""
+  compact, picks = [], []
+  for m, n in zip(stacks, groups):
+    count, fan_in, fan_out = m.shape
+    group = fan_out // n
+    # Groups first, so that a group axis split over devices stays where it lies.
+    grouped = jnp.moveaxis(m.reshape(count, fan_in, n, group), 2, 0).reshape(n * count, fan_in, group)
+    index, chosen = _select(grouped, select.count(group))
+    k = index.shape[-1]
+    chosen = jnp.moveaxis(chosen.reshape(n, count, fan_in, k), 0, 2).reshape(count, fan_in, n * k)
+    compact.append(chosen)
+    picks.append((index, n, group, k))
+  wides = [_wide(c) for c in compact]
+  results = solver(wides, [w.stack for w in wides], None)
+  out = []
+  for m, wide, result, (index, n, group, k) in zip(stacks, wides, results, picks):
+    count, fan_in, fan_out = m.shape
+    o = jnp.swapaxes(result, -1, -2) if wide.transposed else result
+    o = jnp.moveaxis(o.reshape(count, fan_in, n, k), 2, 0).reshape(n * count, fan_in, k)
+    full = _scatter(o.astype(m.dtype), index, group).reshape(n, count, fan_in, group)
+    out.append(jnp.moveaxis(full, 0, 2).reshape(count, fan_in, fan_out))
+  return out
+
+
+def _wide(chosen: jax.Array) -> _Wide:
+  tall = chosen.shape[-2] > chosen.shape[-1]
+  return _Wide(jnp.swapaxes(chosen, -1, -2) if tall else chosen, _STACK_VIEW, tall)

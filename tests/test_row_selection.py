@@ -37,12 +37,23 @@ class PlainDion2:
   neuron with an EMA kept for S only, keeping its norm; then Jordan's shape factor and
   decoupled weight decay. Plain AdamW for the rest."""
 
-  def __init__(self, normalized):
-    self.normalized, self.t, self.state = normalized, 0, {}
+  def __init__(self, normalized, groups=1):
+    self.normalized, self.groups, self.t, self.state = normalized, groups, 0, {}
 
-  def direction(self, b, v):
+  def chosen(self, b, leaf_shape):
+    """The top ⌈α·size⌉ columns by L1 norm of each of `groups` contiguous groups where
+    the devices split the leaf's fan-out axis (its largest they divide), else of one."""
+    fan_out = b.shape[1]
+    split = max((d for d in range(len(leaf_shape)) if leaf_shape[d] % self.groups == 0),
+                key=lambda d: (leaf_shape[d], -d), default=None)
+    groups = self.groups if split == len(leaf_shape) - 1 else 1
+    size, norms = fan_out // groups, np.abs(b).sum(axis=0)
+    return np.concatenate([g * size + np.argsort(-norms[g * size:(g + 1) * size], kind="stable")[
+        :math.ceil(FRACTION * size)] for g in range(groups)])
+
+  def direction(self, b, v, leaf_shape):
     fan_in, fan_out = b.shape
-    chosen = np.argsort(-np.abs(b).sum(axis=0), kind="stable")[:math.ceil(FRACTION * fan_out)]
+    chosen = self.chosen(b, leaf_shape)
     o = np.zeros_like(b)
     o[:, chosen] = polar64(b[:, chosen])
     b[:, chosen] *= MU
@@ -63,7 +74,7 @@ class PlainDion2:
         s["b"] = s["b"] + g
         buffers = matrices(s["b"]).copy()
         s.setdefault("v", np.zeros((len(buffers), p.shape[-1])))
-        d = np.stack([self.direction(b, v) for b, v in zip(buffers, s["v"])])
+        d = np.stack([self.direction(b, v, p.shape) for b, v in zip(buffers, s["v"])])
         s["b"] = buffers.reshape(p.shape)
         out[path] = p - LR * (d.reshape(p.shape) + WD * p)
       else:
@@ -75,14 +86,18 @@ class PlainDion2:
 
 
 ALIASES = {"dion2": mo.dion2, "nordion2": mo.nordion2}
+SCOPES = {"matrix": (mo.RowSelection(FRACTION), 1),
+          "shard": (mo.RowSelection(FRACTION, scope="shard", devices=4), 4)}
 
 
+@pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("name", ALIASES)
-def test_matches_a_plain_implementation_of_the_paper_over_several_steps(name):
+def test_matches_a_plain_implementation_of_the_paper_over_several_steps(name, scope):
   params = make_params()
-  tx = ALIASES[name](LR, fraction=FRACTION, beta=MU, ns=EXACT, weight_decay=WD,
+  select, groups = SCOPES[scope]
+  tx = ALIASES[name](LR, fraction=select, beta=MU, ns=EXACT, weight_decay=WD,
                      adam=mo.AuxAdam(1e-2))
-  ref, ref_params = PlainDion2(normalized=name == "nordion2"), flat(params)
+  ref, ref_params = PlainDion2(normalized=name == "nordion2", groups=groups), flat(params)
   state, update = tx.init(params), jax.jit(tx.update)
   for step in range(STEPS):
     grads = grads_at(step, params)
@@ -137,9 +152,14 @@ def test_newton_schulz_flops_shrink_with_the_fraction():
   assert mo.newton_schulz_cost(selected) < 0.5 * mo.newton_schulz_cost(params)
 
 
+@pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("name", ALIASES)
-def test_eight_devices_equal_one(name):
-  make = lambda **kw: ALIASES[name](LR, fraction=FRACTION, weight_decay=WD, **kw)
+def test_eight_devices_equal_one(name, scope):
+  def make(mesh=None):
+    select = mo.RowSelection(FRACTION, scope=scope, devices=None if mesh or scope == "matrix"
+                             else 8)
+    return ALIASES[name](LR, fraction=select, weight_decay=WD, mesh=mesh)
+
   (want_p, want_s), (got_p, got_s) = run_on_one_and_eight(make, "fsdp", AxisType.Auto)
   buffers = [x for path, x in leaves_with_path(got_s) if "/buffer/" in f"/{path}/"]
   assert buffers and all(not x.sharding.is_fully_replicated for x in buffers), buffers
@@ -175,3 +195,7 @@ def test_bad_settings_are_named():
     mo.scale_by_muon(nesterov=True, select=mo.RowSelection())
   with pytest.raises(ValueError, match="ef_decay"):
     mo.select_rows(ef_decay=1.0)
+  with pytest.raises(ValueError, match=r"scope='shards'\): choose one of"):
+    mo.RowSelection(scope="shards")
+  with pytest.raises(ValueError, match="takes its groups from a mesh"):
+    mo.nordion2(fraction=mo.RowSelection(scope="shard"))
