@@ -104,7 +104,7 @@ def scale_by_muon(
   if blocks is None:
     orthogonal = orthogonalize(ns, routing=routing, mesh=mesh)
   else:
-    orthogonal = orthogonalize_blocks(blocks, ns, scale=scale, routing=routing, mesh=mesh)
+    orthogonal = orthogonalize_blocks(blocks, ns, routing=routing, mesh=mesh)
   parts = [scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype)]
   if scale == ADAPTIVE:
     parts += [scale_by_dual_norm(orthogonal, routing=routing),
@@ -516,7 +516,7 @@ def muonbp(
   communication, on all but every `blocks.period`-th step (the first included), which
   is Muon's (`orthogonalize_blocks`).
 
-  Block steps are scaled by their block's shape (the paper's rule) and
+  Block steps are brought to the full steps' update RMS (the paper's rule) and scaled by
   `blocks.block_scale`. On a mesh the blocks are its devices' shards; on one device,
   `BlockPeriodic(devices=n)` takes those of n devices (the results equal a mesh's).
   Every other argument as in `muon`.

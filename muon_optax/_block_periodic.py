@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -19,7 +20,6 @@ from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
 from muon_optax._orthogonalize import _from_wide, _to_wide, grouped_solver, orthogonalize
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
 from muon_optax._routing.value import as_routing
-from muon_optax._scaling import shape_factor
 from muon_optax._util import paths
 
 
@@ -32,8 +32,8 @@ class BlockPeriodic:
       the others each block alone. 1 is Muon.
     devices: on one device, the blocks are those a mesh of this many devices gives
       (see `orthogonalize_blocks`). On a mesh, None: its data axes' devices.
-    block_scale: the block steps' rate relative to the full steps' (both also scaled
-      by their own matrices' shapes).
+    block_scale: the block steps' rate relative to the full steps' (block steps are
+      also brought to the full steps' update RMS).
 
   Examples:
     >>> import muon_optax as mo
@@ -61,13 +61,13 @@ class BlockPeriodicState(NamedTuple):
   count: jax.Array  # int32 scalar: steps taken; a multiple of the period is a full step.
 
 
-def _block_factor(scale: Optional[str], view: MatrixView, block: tuple[int, ...],
-                  whole: tuple[int, ...]) -> float:
-  """The block's shape factor over the whole matrix's, which `scale_by_shape` applies
-  after: so each block step is scaled by its block's own shape (RMS matching)."""
+def _block_factor(view: MatrixView, block: tuple[int, ...], whole: tuple[int, ...]) -> float:
+  """√max(block dims) / √max(matrix dims): a semi-orthogonal a×b matrix has RMS
+  1/√max(a, b), so this gives each orthogonalized block the RMS the whole matrix's
+  orthogonalization has (the paper's RMS matching; 1 for a square matrix split by rows)."""
   _, bi, bo = view.matrix_shape(block)
   _, fi, fo = view.matrix_shape(whole)
-  return shape_factor(scale, bi, bo) / shape_factor(scale, fi, fo)
+  return math.sqrt(max(bi, bo) / max(fi, fo))
 
 
 def _orthogonalize_each(xs: list[jax.Array], views: list[MatrixView], solve) -> list[jax.Array]:
@@ -96,14 +96,13 @@ def orthogonalize_blocks(
     blocks: BlockPeriodic = DEFAULT_BLOCKS,
     ns: NS = DEFAULT_NS,
     *,
-    scale: Optional[str] = "jordan",
     routing: Any = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformation:
   """MuonBP's orthogonalization: every `blocks.period`-th step (the first included) as
   `orthogonalize`; every other step each block of each leaf alone, through the leaf's
-  matrix view, scaled by its block's shape over its matrix's (so that `scale_by_shape`
-  after it scales each block step by its block's own shape, the paper's rule) and by
+  matrix view, scaled to the update RMS the whole matrix's orthogonalization has (the
+  paper's RMS matching: √max(block dims) / √max(matrix dims)) and by
   `blocks.block_scale`.
 
   A leaf's blocks are its shards along the axis the data axes split: the one
@@ -117,7 +116,6 @@ def orthogonalize_blocks(
   Args:
     blocks: the `BlockPeriodic` schedule.
     ns: Newton–Schulz settings (see `orthogonalize`).
-    scale: the shape scale that follows (see `scale_by_shape`).
     routing: gives the matrix views (None: `default_view`).
     mesh: the mesh the state lies on, or None.
 
@@ -179,7 +177,7 @@ def orthogonalize_blocks(
     out = []
     for o, (mshape, block_shape), view, a, x in zip(ortho, back, leaf_views, axes, xs):
       b = jax.vmap(lambda m, v=view, s=block_shape: v.from_matrices(m, s))(o.reshape(mshape))
-      factor = blocks.block_scale * _block_factor(scale, view, block_shape, x.shape)
+      factor = blocks.block_scale * _block_factor(view, block_shape, x.shape)
       out.append((_join(b, a, x.shape) * factor).astype(x.dtype))
     return out
 
@@ -189,7 +187,7 @@ def orthogonalize_blocks(
 
     def local(*ys):
       ortho = _orthogonalize_each(list(ys), leaf_views, solve)
-      return tuple((o * (blocks.block_scale * _block_factor(scale, v, y.shape, x.shape))
+      return tuple((o * (blocks.block_scale * _block_factor(v, y.shape, x.shape))
                     ).astype(x.dtype) for o, v, y, x in zip(ortho, leaf_views, ys, xs))
 
     body = jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(specs),
