@@ -44,7 +44,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
     elif field.name in ("lr", "adam_lr"):
       p.add_argument(flag, type=float, default=None, **kwargs)
     elif isinstance(default, bool):
-      p.add_argument(flag, action="store_true", **kwargs)
+      p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kwargs)
+    elif field.name == "attention":
+      p.add_argument(flag, choices=("mha", "fused"), default=default, **kwargs)
     else:
       p.add_argument(flag, type=type(default), default=default, **kwargs)
   p.add_argument("--describe", action="store_true",

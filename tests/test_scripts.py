@@ -46,6 +46,8 @@ def smallest(module: str, tmp: pathlib.Path) -> Optional[list[str]]:
                            str(tmp / "s.jsonl")],
       "benchmarks.e2e_loss": ["--preset", "tiny", "--steps", "3", "--data-root", DATA,
                               "--out", str(tmp / "loss.png")],
+      "benchmarks.fused_qkv": ["--steps", "20", "--seeds", "0", "--lrs", "0.04", "--eval-every",
+                               "10", "--data-root", DATA, "--out-dir", str(tmp)],
       "benchmarks.infer_routing": ["--layers", "1", "--d-model", "32", "--heads", "2",
                                    "--vocab", "64", "--seq-len", "16", "--repeats", "1"],
       "benchmarks.newton_schulz": ["--shapes", "2x16x48", "--reps", "2", "--peak-n", "64"],
@@ -104,6 +106,20 @@ def test_optimizer_step_times_every_arm(tmp_path, capsys):
   assert_timed(out)
   assert "| optax.contrib.muon | " in out and "state B/param (Muon kernels)" in out
   assert out.count("| mlp/fc ") == 1  # the polar-error table
+
+
+def test_fused_qkv_trains_the_kernel_both_ways(tmp_path, capsys):
+  argv = smallest("benchmarks.fused_qkv", tmp_path)
+  from benchmarks import fused_qkv
+  rows = fused_qkv.main(argv)
+  assert list(rows) == ["qkv split in 3", "qkv as one matrix"]
+  # Three 64×64 standard iterations against one 64×192 Gram-space one: not the same work.
+  assert rows["qkv split in 3"]["ns_flops"] != rows["qkv as one matrix"]["ns_flops"]
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.fused_qkv", argv)
+  assert (tmp_path / "runs.jsonl").exists()
+  again = fused_qkv.main(argv)  # every run is on disk: nothing runs again
+  assert capsys.readouterr().out.count("(on disk)") == 2 and again.keys() == rows.keys()
 
 
 def test_accelerator_runs_the_table_and_the_full_update(tmp_path, capsys):

@@ -58,6 +58,10 @@ class TrainConfig:
   devices: int = _flag(1, "data-parallel devices (simulated on CPU)")
   data_root: str = _flag("", "a directory of .py files (default: this Python's stdlib)")
   tie_embeddings: bool = _flag(False, "use the token embedding as the output head")
+  attention: str = _flag("mha", "mha (separate q, k, v kernels) or fused (one (d, 3d) qkv "
+                         "kernel, its product split in three)")
+  split_fused: bool = _flag(True, "orthogonalize a fused qkv kernel as its q, k and v blocks, "
+                            "as infer_routing finds them (false: as one matrix)")
   out_dir: str = _flag("runs/train_gpt", "where loss.png and run.json go")
   # Batch i is drawn from (seed, i) alone, so model, optimizer state and step are all a
   # resume needs.
@@ -68,6 +72,8 @@ class TrainConfig:
   def __post_init__(self):
     if self.optimizer not in OPTIMIZERS:
       raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {OPTIMIZERS}.")
+    if self.attention not in ("mha", "fused"):
+      raise ValueError(f"unknown attention {self.attention!r}; use mha or fused.")
     if self.ns not in NS_PRESETS:
       raise ValueError(f"unknown Newton–Schulz preset {self.ns!r}; use one of {NS_PRESETS}.")
 

@@ -21,13 +21,32 @@ from flax import nnx
 
 import muon_optax as mo
 
+ATTENTION = ("mha", "clip", "fused")
+
+
+class FusedAttention(nnx.Module):
+  """Causal attention with q, k and v in one kernel, as GPT-2 and nanoGPT write it: the
+  (d, 3d) product is split into q, k and v, then heads."""
+
+  def __init__(self, heads: int, d: int, *, use_bias: bool, rngs: nnx.Rngs):
+    self.heads = heads
+    self.qkv = nnx.Linear(d, 3 * d, use_bias=use_bias, rngs=rngs)
+    self.out = nnx.Linear(d, d, use_bias=use_bias, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    *lead, d = x.shape
+    heads = lambda y: y.reshape(*lead, self.heads, d // self.heads)
+    q, k, v = (heads(y) for y in jnp.split(self.qkv(x), 3, axis=-1))
+    return self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(*lead, d))
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
   """Model shape. `vocab_size=256` is byte level; `tie_embeddings` reuses `embed` as the head.
 
-  `attention`: "mha" (causal `nnx.MultiHeadAttention`) or "clip" (causal
-  `mo.nnx.ClipAttention`, same parameters, sows max logits); `attn_bias`: q/k/v/out biases.
+  `attention`: "mha" (causal `nnx.MultiHeadAttention`), "clip" (causal
+  `mo.nnx.ClipAttention`, same parameters, sows max logits) or "fused" (`FusedAttention`:
+  one (d, 3d) q/k/v kernel whose product is split in three); `attn_bias`: q/k/v/out biases.
   """
 
   vocab_size: int = 256
@@ -41,8 +60,8 @@ class GPTConfig:
   attn_bias: bool = True
 
   def __post_init__(self):
-    if self.attention not in ("mha", "clip"):
-      raise ValueError(f"attention={self.attention!r}; use 'mha' or 'clip'.")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"attention={self.attention!r}; use one of {ATTENTION}.")
     if self.d_model % self.heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of heads={self.heads}.")
 
@@ -55,17 +74,23 @@ class Block(nnx.Module):
     self.ln1 = nnx.LayerNorm(d, rngs=rngs)
     # `attn` in the path tells the default matrix view that `out` is an attention output.
     # keep_rngs=False: no dropout, so the module holds no RNG state.
-    attention = nnx.MultiHeadAttention if cfg.attention == "mha" else mo.nnx.ClipAttention
-    self.causal = cfg.attention == "mha"  # ClipAttention always applies a causal mask
-    self.attn = attention(cfg.heads, d, use_bias=cfg.attn_bias, keep_rngs=False, rngs=rngs,
-                          **({"decode": False} if self.causal else {}))
+    self.causal = cfg.attention == "mha"  # the others always apply a causal mask
+    if cfg.attention == "fused":
+      self.attn = FusedAttention(cfg.heads, d, use_bias=cfg.attn_bias, rngs=rngs)
+    else:
+      attention = nnx.MultiHeadAttention if cfg.attention == "mha" else mo.nnx.ClipAttention
+      self.attn = attention(cfg.heads, d, use_bias=cfg.attn_bias, keep_rngs=False, rngs=rngs,
+                            **({"decode": False} if self.causal else {}))
     self.ln2 = nnx.LayerNorm(d, rngs=rngs)
     self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
     self.mlp_out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    causal = {"is_causal": True} if self.causal else {}
-    x = x + self.attn(self.ln1(x), deterministic=True, **causal)
+    if isinstance(self.attn, FusedAttention):
+      x = x + self.attn(self.ln1(x))
+    else:
+      causal = {"is_causal": True} if self.causal else {}
+      x = x + self.attn(self.ln1(x), deterministic=True, **causal)
     return x + self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x))))
 
 

@@ -52,13 +52,19 @@ def lr_schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
 
 def make_model(cfg: TrainConfig) -> GPT:
   return GPT(GPTConfig(seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers,
-                       heads=cfg.heads, tie_embeddings=cfg.tie_embeddings),
-             rngs=nnx.Rngs(cfg.seed))
+                       heads=cfg.heads, tie_embeddings=cfg.tie_embeddings,
+                       attention=cfg.attention), rngs=nnx.Rngs(cfg.seed))
 
 
 def routing_of(model: nnx.Module, cfg: TrainConfig) -> mo.Routing:
-  """Which parameters Muon updates, read from the model's computation on a token batch."""
-  return mo.infer_routing(model, jnp.zeros((1, cfg.seq_len), jnp.int32))
+  """Which parameters Muon updates, read from the model's computation on a token batch;
+  with `split_fused=False`, a fused kernel stays one matrix."""
+  routing = mo.infer_routing(model, jnp.zeros((1, cfg.seq_len), jnp.int32))
+  if cfg.split_fused:
+    return routing
+  whole = lambda path, shape: (view._replace(blocks=1) if (view := routing.view(path, shape))
+                               is not None else None)
+  return mo.infer_routing(model, jnp.zeros((1, cfg.seq_len), jnp.int32), views=whole)
 
 
 def make_optimizer(cfg: TrainConfig, routing: mo.Routing,
