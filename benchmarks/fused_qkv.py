@@ -8,7 +8,7 @@ Protocol and data as `benchmarks.convergence` (its runner, resumable from
 Newton–Schulz flops per step of each.
 
     python -m benchmarks.fused_qkv                       # 2 layers × 64, ~10 min
-    python -m benchmarks.fused_qkv --steps 20 --seeds 0 --lrs 0.04 --eval-every 10 --data-root DIR --out-dir DIR
+    python -m benchmarks.fused_qkv --steps 20 --seeds 0 --lrs 0.04 --data-root DIR --out-dir DIR
 """
 
 from __future__ import annotations
