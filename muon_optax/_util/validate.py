@@ -76,6 +76,9 @@ def floating_dtype(name: str, value: Any) -> Any:
   """None, or a floating dtype (a state buffer of another dtype would stay zero)."""
   if value is None:
     return None
+  if isinstance(value, (jax.Array, np.ndarray)):  # how inject_hyperparams passes it
+    raise ValueError(f"{name} must be a dtype, got an array ({value!r}); under "
+                     f"optax.inject_hyperparams, pass static_args=({name!r},).")
   try:
     dtype = jax.dtypes.canonicalize_dtype(value)
   except TypeError:
