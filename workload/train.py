@@ -153,15 +153,34 @@ def restore_latest(ckpt: mo.checkpoint.Checkpointer, model: nnx.Module,
   return restored.step
 
 
-def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
-          progress: Optional[bool] = True, log: Callable[[str], None] = print
-          ) -> dict[str, Any]:
-  """Trains one model; returns the run record (config, curves, final numbers, timings).
+@dataclasses.dataclass
+class Setup:
+  """What one run trains with: the model and optimizer (placed on the mesh, resumed from
+  a checkpoint if asked), the jitted steps, the validation set and the checkpointer."""
 
-  `progress`: show a progress bar (None: only when stderr is a terminal); `log`
-  receives one line per validation.
-  """
-  t_start = time.perf_counter()
+  model: nnx.Module
+  optimizer: nnx.Optimizer
+  routing: mo.Routing
+  shard: Callable[[np.ndarray], jax.Array]
+  step_fn: Callable[[jax.Array], jax.Array]
+  evaluate: Callable[[], float]
+  ckpt: Optional[mo.checkpoint.Checkpointer]
+  start_step: int
+
+
+@dataclasses.dataclass
+class Curves:
+  """What the loop measured: losses, and where the time went."""
+
+  train_losses: list[float] = dataclasses.field(default_factory=list)
+  val_curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+  compile_s: Optional[float] = None
+  loop_start: Optional[float] = None
+  eval_s: float = 0.0
+
+
+def setup(cfg: TrainConfig, val_data: np.ndarray, log: Callable[[str], None]) -> Setup:
+  """Model, optimizer, mesh placement, jitted steps, validation batches, checkpoints."""
   mesh = data_mesh(cfg.devices)
   if cfg.batch % cfg.devices:
     raise ValueError(f"--batch {cfg.batch} must be a multiple of --devices {cfg.devices}.")
@@ -183,11 +202,6 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
   val_set = [shard(b) for b in stdlib_text.eval_batches(
       val_data, cfg.batch, cfg.seq_len, cfg.eval_batches, seed=10_000 + cfg.seed)]
   evaluate = lambda: float(np.mean([eval_step(model, b) for b in val_set]))
-  params = nnx.state(model, nnx.Param)
-  n_params = num_params(model)
-  tokens_per_step = cfg.batch * cfg.seq_len
-  show_lr = lr_schedule(cfg.peak_lr, cfg)
-
   ckpt_dir = pathlib.Path(cfg.checkpoint_dir) / cfg.optimizer if cfg.checkpoint_dir else None
   ckpt = mo.checkpoint.Checkpointer(ckpt_dir, routing=routing) if ckpt_dir else None
   if cfg.resume and ckpt is None:
@@ -197,69 +211,98 @@ def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
     raise ValueError(f"the checkpoint is at step {start_step}; raise --steps to train further.")
   if start_step:
     log(f"{cfg.optimizer}: resumed from step {start_step} in {ckpt_dir}")
-  data = stdlib_text.batches(train_data, cfg.batch, cfg.seq_len, cfg.seed, start_step=start_step)
-  train_losses: list[float] = []
-  val_curve: list[tuple[int, float]] = []
+  return Setup(model, optimizer, routing, shard, step_fn, evaluate, ckpt, start_step)
+
+
+def loop(cfg: TrainConfig, run: Setup, train_data: np.ndarray, progress: Optional[bool],
+         log: Callable[[str], None]) -> Curves:
+  """The training steps from `run.start_step`, with a validation (and a checkpoint) every
+  `eval_every` steps and at the end."""
+  data = stdlib_text.batches(train_data, cfg.batch, cfg.seq_len, cfg.seed,
+                             start_step=run.start_step)
+  curves = Curves()
   pending: list[jax.Array] = []  # losses not yet fetched: fetching every step would sync
-  compile_s, t_loop, t_log, tokens_since, eval_s = None, None, None, 0, 0.0
-  bar = tqdm(range(start_step, cfg.steps), desc=cfg.optimizer, dynamic_ncols=True,
+  tokens_per_step, show_lr = cfg.batch * cfg.seq_len, lr_schedule(cfg.peak_lr, cfg)
+  t_log, tokens_since = None, 0
+  bar = tqdm(range(run.start_step, cfg.steps), desc=cfg.optimizer, dynamic_ncols=True,
              disable=None if progress is None else not progress, leave=progress is not None)
   for step in bar:
     t0 = time.perf_counter()
-    pending.append(step_fn(shard(next(data))))
-    if compile_s is None:
+    pending.append(run.step_fn(run.shard(next(data))))
+    if curves.compile_s is None:
       pending[-1].block_until_ready()
-      compile_s = time.perf_counter() - t0
-      t_loop = t_log = time.perf_counter()
+      curves.compile_s = time.perf_counter() - t0
+      curves.loop_start = t_log = time.perf_counter()
     else:
       tokens_since += tokens_per_step
     last = step + 1 == cfg.steps
     evaluate_now = (step + 1) % cfg.eval_every == 0 or last
     if (step + 1) % 10 == 0 or evaluate_now:
-      train_losses += [float(x) for x in pending]
+      curves.train_losses += [float(x) for x in pending]
       pending.clear()
       now = time.perf_counter()
       tok_s = tokens_since / max(now - t_log, 1e-9)
       t_log, tokens_since = now, 0
-      bar.set_postfix(loss=f"{train_losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}",
+      bar.set_postfix(loss=f"{curves.train_losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}",
                       lr=f"{float(show_lr(step)):.2e}")
     if evaluate_now:
       t_eval = time.perf_counter()
-      val_curve.append((step + 1, evaluate()))
-      if ckpt is not None:  # written in the background; counted with evaluation, not training
-        ckpt.save(step + 1, *map(_values, checkpointed(model, optimizer)),
-                  metadata={"val_loss": val_curve[-1][1]})
+      curves.val_curve.append((step + 1, run.evaluate()))
+      if run.ckpt is not None:  # written in the background; counted with evaluation
+        run.ckpt.save(step + 1, *map(_values, checkpointed(run.model, run.optimizer)),
+                      metadata={"val_loss": curves.val_curve[-1][1]})
       t_log = time.perf_counter()  # tokens/s counts training only
-      eval_s += t_log - t_eval
-      log(f"{cfg.optimizer:<5} step {step + 1:>6}  train {np.mean(train_losses[-10:]):.4f}  "
-          f"val {val_curve[-1][1]:.4f}")
+      curves.eval_s += t_log - t_eval
+      log(f"{cfg.optimizer:<5} step {step + 1:>6}  train "
+          f"{np.mean(curves.train_losses[-10:]):.4f}  val {curves.val_curve[-1][1]:.4f}")
   bar.close()
-  if ckpt is not None:
-    ckpt.close()  # waits for the last save
+  if run.ckpt is not None:
+    run.ckpt.close()  # waits for the last save
+  return curves
+
+
+def record(cfg: TrainConfig, run: Setup, curves: Curves, t_start: float) -> dict[str, Any]:
+  """The run record: config, curves, final numbers, timings."""
   t_end = time.perf_counter()
-  steady_steps = cfg.steps - start_step - 1
-  tail = train_losses[-min(20, len(train_losses)):]
+  params = nnx.state(run.model, nnx.Param)
+  n_params, tokens_per_step = num_params(run.model), cfg.batch * cfg.seq_len
+  steady_steps = cfg.steps - run.start_step - 1
+  tail = curves.train_losses[-min(20, len(curves.train_losses)):]
+  train_s = max(t_end - curves.loop_start - curves.eval_s, 1e-9)
   return {
       "optimizer": cfg.optimizer,
       "config": dataclasses.asdict(cfg),
       "params": n_params,
       "ns_flops_per_step": (0 if cfg.optimizer == "adamw" else
-                            mo.newton_schulz_cost(params, routing=routing, ns=cfg.ns)),
+                            mo.newton_schulz_cost(params, routing=run.routing, ns=cfg.ns)),
       "train_flops_per_step": 6 * n_params * tokens_per_step,
       "steps": cfg.steps,
-      "start_step": start_step,
+      "start_step": run.start_step,
       "tokens": cfg.steps * tokens_per_step,
-      "train_loss": train_losses,
-      "val_loss": val_curve,
+      "train_loss": curves.train_losses,
+      "val_loss": curves.val_curve,
       "final_train_loss": float(np.mean(tail)),
-      "final_val_loss": val_curve[-1][1],
-      "best_val_loss": min(v for _, v in val_curve),
+      "final_val_loss": curves.val_curve[-1][1],
+      "best_val_loss": min(v for _, v in curves.val_curve),
       "time_s": t_end - t_start,
-      "compile_s": compile_s,
-      "eval_s": eval_s,
-      "tokens_per_s": steady_steps * tokens_per_step / max(t_end - t_loop - eval_s, 1e-9),
+      "compile_s": curves.compile_s,
+      "eval_s": curves.eval_s,
+      "tokens_per_s": steady_steps * tokens_per_step / train_s,
       "machine": machine_info(),
   }
+
+
+def train(cfg: TrainConfig, train_data: np.ndarray, val_data: np.ndarray, *,
+          progress: Optional[bool] = True, log: Callable[[str], None] = print
+          ) -> dict[str, Any]:
+  """Trains one model; returns the run record (config, curves, final numbers, timings).
+
+  `progress`: show a progress bar (None: only when stderr is a terminal); `log`
+  receives one line per validation.
+  """
+  t_start = time.perf_counter()
+  run = setup(cfg, val_data, log)
+  return record(cfg, run, loop(cfg, run, train_data, progress, log), t_start)
 
 
 def plot_runs(records: list[dict[str, Any]], path: pathlib.Path, title: str = "") -> None:
