@@ -46,7 +46,7 @@ from flax import nnx
 
 from benchmarks.common import LoadWatch, machine, ratio_table, time_steps
 from workload import stdlib_text
-from workload.config import BEST_LR, FRONTIER, OPTIMIZERS, TrainConfig
+from workload.config import BEST_LR, FRONTIER, OPTIMIZERS, TrainConfig, add_flags
 from workload.train import make_model, make_optimizer, routing_of, steps_to_reach, train
 
 FAMILY = ("muon", "normuon", "adamuon", "adaptive")
@@ -59,14 +59,9 @@ RATES = {"adamw": [2e-3, 3e-3, 6e-3, 1e-2], "muon": [0.01, 0.02, 0.04, 0.08],
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--steps", type=int, default=350)
-  p.add_argument("--d-model", type=int, default=64)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--batch", type=int, default=32)
-  p.add_argument("--eval-every", type=int, default=25)
-  p.add_argument("--eval-batches", type=int, default=8)
+  add_flags(p, ["steps", "d_model", "layers", "heads", "seq_len", "batch", "eval_every",
+               "eval_batches", "data_root"], steps=350, d_model=64, layers=2, seq_len=64,
+            eval_every=25)
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
   p.add_argument("--optimizers", nargs="+", default=["adamw", *FAMILY], choices=OPTIMIZERS,
                  help=f"the frontier: {' '.join(FRONTIER)} (see workload/config.py)")
@@ -81,7 +76,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p.add_argument("--times-only", action="store_true",
                  help="only step 5, at the rates of workload.config.BEST_LR (a step's time "
                       "does not depend on its rate)")
-  p.add_argument("--data-root", default="", help="a directory of .py files (default: stdlib)")
   p.add_argument("--out-dir", default="runs/convergence")
   p.add_argument("--rerun", action="store_true",
                  help="run everything again, ignoring and not writing --out-dir/runs.jsonl")

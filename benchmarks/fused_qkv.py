@@ -23,20 +23,17 @@ import numpy as np
 from benchmarks.common import header
 from benchmarks.convergence import Runner
 from workload import stdlib_text
-from workload.config import TrainConfig
+from workload.config import TrainConfig, add_flags
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--steps", type=int, default=350)
-  p.add_argument("--d-model", type=int, default=64)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--eval-every", type=int, default=25)
+  add_flags(p, ["steps", "d_model", "layers", "eval_every", "data_root"], steps=350,
+            d_model=64, layers=2, eval_every=25)
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   p.add_argument("--lrs", type=float, nargs="+", default=[0.02, 0.04, 0.08])
   p.add_argument("--adam-lr", type=float, default=6e-3)
-  p.add_argument("--data-root", default="", help="a directory of .py files (default: stdlib)")
   p.add_argument("--out-dir", default="runs/fused_qkv")
   return p.parse_args(argv)
 

@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 
 import muon_optax as mo
+from workload.config import add_flags
 from workload.gpt import GPT, GPTConfig
 from workload.stdlib_text import batches, eval_batches, load_splits
 
@@ -78,18 +79,11 @@ def train(args, tx, train_data, val_batches, label):
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--steps", type=int, default=300)
   p.add_argument("--lr", type=float, default=0.1, help="Muon learning rate (high on purpose)")
-  p.add_argument("--adam-lr", type=float, default=3e-3)
   p.add_argument("--tau", type=float, default=100.0, help="QK-clip cap (Kimi K2: 100)")
-  p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--d-model", type=int, default=64)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--data-root", default=None,
-                 help="a directory of .py files (default: this Python's standard library)")
+  add_flags(p, ["steps", "adam_lr", "batch", "seq_len", "d_model", "heads", "layers", "seed",
+                "data_root"], steps=300, adam_lr=3e-3, batch=16, seq_len=64, d_model=64,
+            layers=2)
   p.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("runs/qk_clip"))
   return p
 
@@ -97,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple]:
   """Runs both trainings; returns (train losses, max logits, val loss) of each."""
   args = parser().parse_args(argv)
-  train_split, val_split = load_splits(args.data_root, max_bytes=4_000_000)
+  train_split, val_split = load_splits(args.data_root or None, max_bytes=4_000_000)
   val_batches = eval_batches(val_split.data, args.batch, args.seq_len, count=8)
   muon = lambda: mo.muon(args.lr, adam=mo.AuxAdam(learning_rate=args.adam_lr))
   print(f"Muon lr {args.lr}, τ = {args.tau}, {args.steps} steps on {jax.devices()[0].platform}")

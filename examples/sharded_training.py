@@ -17,23 +17,15 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
-from workload.config import simulate_devices
+from workload.config import add_flags, simulate_devices
 
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-  p.add_argument("--steps", type=int, default=30)
-  p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--d-model", type=int, default=128)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--lr", type=float, default=0.02)
-  p.add_argument("--adam-lr", type=float, default=3e-3)
-  p.add_argument("--data-root", default=None,
-                 help="a directory of .py files (default: this Python's standard library)")
+  add_flags(p, ["devices", "steps", "batch", "seq_len", "d_model", "layers", "heads", "lr",
+                "adam_lr", "data_root"], devices=8, steps=30, batch=16, seq_len=64,
+            d_model=128, layers=2, lr=0.02, adam_lr=3e-3)
   return p
 
 
@@ -98,7 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
                    "`python -m examples.sharded_training`, which sets XLA_FLAGS first")
   mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:args.devices])
-  train_split, _ = stdlib_text.load_splits(args.data_root, max_bytes=20_000_000)
+  train_split, _ = stdlib_text.load_splits(args.data_root or None, max_bytes=20_000_000)
   print(f"{args.devices} simulated devices, mesh {dict(mesh.shape)}; jax {jax.__version__}")
   rows = []
   for layout in ("zero1", "fsdp"):

@@ -25,30 +25,15 @@ import pathlib
 import time
 from typing import Any, Optional
 
-from workload.config import NS_PRESETS, OPTIMIZERS, TrainConfig, simulate_devices
+from workload.config import TrainConfig, add_flags, simulate_devices
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
   """Flags -> (TrainConfig, the other options)."""
-  defaults = TrainConfig()
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  for field in dataclasses.fields(TrainConfig):
-    flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
-    kwargs = {"help": field.metadata["help"]}
-    if field.name == "optimizer":
-      p.add_argument(flag, choices=OPTIMIZERS, default=None,
-                     help=kwargs["help"] + "; default: muon and adamw, one after the other")
-    elif field.name == "ns":
-      p.add_argument(flag, choices=NS_PRESETS, default=default, **kwargs)
-    elif field.name in ("lr", "adam_lr"):
-      p.add_argument(flag, type=float, default=None, **kwargs)
-    elif isinstance(default, bool):
-      p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kwargs)
-    elif field.name == "attention":
-      p.add_argument(flag, choices=("mha", "fused"), default=default, **kwargs)
-    else:
-      p.add_argument(flag, type=type(default), default=default, **kwargs)
+  # Every field is a flag; the optimizer's default is both (muon, then adamw).
+  add_flags(p, [f.name for f in dataclasses.fields(TrainConfig)], optimizer=None)
   p.add_argument("--describe", action="store_true",
                  help="print the model's optimizer routing table and exit")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -196,10 +196,16 @@ def test_distributed_compiles_both_layouts(tmp_path, capsys):
   distributed.main(argv)
   out = capsys.readouterr().out
   check_report(out, "benchmarks.distributed", argv)
-  rows = [line.split() for line in out.splitlines() if line.startswith(("zero1", "fsdp"))]
-  assert [(r[0], r[1], r[2]) for r in rows] == [
-      (kind, n, name) for kind in ("zero1", "fsdp") for n in ("1", "2")
-      for name in ("muon_optax", "optax.contrib.muon")]
+  # Fixed columns: layout, devices, the arm's name in 18 characters, then the figures.
+  rows = [(*line[:10].split(), line[11:29].strip(), line[29:].split())
+          for line in out.splitlines() if line.startswith(("zero1", "fsdp"))]
+  arms = ("muon_optax", "nordion2 (0.25)", "nordion2 per shard", "muonbp full step",
+          "muonbp block step", "optax.contrib.muon")
+  assert [r[:3] for r in rows] == [(kind, n, name) for kind in ("zero1", "fsdp")
+                                   for n in ("1", "2") for name in arms]
+  collectives = {(kind, n, name): int(figures[2]) for kind, n, name, figures in rows}
+  assert collectives["fsdp", "2", "muonbp block step"] == 0  # no communication at all
+  assert collectives["fsdp", "2", "muonbp full step"] == collectives["fsdp", "2", "muon_optax"]
 
 
 def test_scale_compiles_each_arm_once_and_resumes(tmp_path):

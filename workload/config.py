@@ -3,6 +3,7 @@ line can be parsed (and XLA_FLAGS set from it) before jax is imported."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -87,3 +88,26 @@ class TrainConfig:
   @property
   def peak_adam_lr(self) -> float:
     return BEST_LR["adamw"] if self.adam_lr is None else self.adam_lr
+
+
+# The fields whose flags take one of a few values.
+CHOICES = {"optimizer": OPTIMIZERS, "ns": NS_PRESETS, "attention": ("mha", "fused")}
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Optional[list[str]] = None,
+              **defaults: Any) -> None:
+  """A --flag per `TrainConfig` field in `names` (default all), with the field's help,
+  type and choices, and its default unless `defaults` gives the script's own: the one
+  source of the scripts' model, data and training flags."""
+  base = TrainConfig()
+  fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+  for name in names or list(fields):
+    value = defaults.get(name, getattr(base, name))
+    kwargs: dict[str, Any] = {"help": fields[name].metadata["help"], "default": value}
+    if name in CHOICES:
+      kwargs["choices"] = CHOICES[name]
+    if isinstance(getattr(base, name), bool):
+      kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+      kwargs["type"] = float if name in ("lr", "adam_lr") else type(getattr(base, name))
+    parser.add_argument("--" + name.replace("_", "-"), **kwargs)
