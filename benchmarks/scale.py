@@ -58,6 +58,9 @@ TPU_TOPOLOGIES = {8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8
                   256: "4x8x8", 512: "8x8x8"}
 HBM_BYTES = 95e9  # one v5p chip
 ARMS = ("muon_optax", "optax.contrib.muon", "optax.adamw")
+# The frontier's cheaper steps, measured where asked (--arms): NorDion2 choosing its
+# quarter of the neurons per shard, and each kind of MuonBP step (period 4).
+FRONTIER_ARMS = ("nordion2 per shard", "muonbp block step", "muonbp full step")
 
 
 def model_tree(model: str, layers: Optional[int] = None) -> dict:
@@ -128,8 +131,16 @@ def _optimizer(arm: str, mesh, layout: str, data_axis, exchanges: Optional[int] 
         lambda label: dims if label == "muon" else None, mo.label_params(p)))
   params = "replicated" if layout == "zero1" else "sharded"
   extra = {} if exchanges is None else {"exchanges": exchanges}
-  return mo.muon(0.02, mesh=mo.MeshLayout(mesh, params=params, data_axis=data_axis, **extra),
-                 adam=mo.AuxAdam(backend="optax"))
+  placed = mo.MeshLayout(mesh, params=params, data_axis=data_axis, **extra)
+  adam = mo.AuxAdam(backend="optax")
+  if arm == "nordion2 per shard":
+    return mo.nordion2(0.02, fraction=mo.RowSelection(0.25, scope="shard"), mesh=placed,
+                       adam=adam)
+  if arm.startswith("muonbp"):
+    from benchmarks.common import at_step
+    bp = mo.muonbp(0.02, blocks=mo.BlockPeriodic(period=4), mesh=placed, adam=adam)
+    return at_step(bp, 1 if arm == "muonbp block step" else 0)
+  return mo.muon(0.02, mesh=placed, adam=adam)
 
 
 def measure(model: str, layout: str, arm: str, devices, platform: str,
@@ -261,7 +272,8 @@ def markdown_table(rows: list[dict]) -> str:
          "|---|---|---|--:|---|---|--:|--:|--:|--:|--:|"]
   order = {m: k for k, m in enumerate(MODELS)}
   rows = sorted(rows, key=lambda r: (order[r["model"]], r["layout"], r["platform"], r["devices"],
-                                     ARMS.index(r["arm"]), r.get("exchanges") or 0))
+                                     (ARMS + FRONTIER_ARMS).index(r["arm"]),
+                                     r.get("exchanges") or 0))
   for r in rows:
     if "error" in r:
       continue
@@ -301,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])
   p.add_argument("--devices", type=int, nargs="+", default=[8, 64, 256])
   p.add_argument("--layouts", nargs="+", choices=["fsdp", "zero1", "2d"], default=["fsdp", "zero1"])
-  p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+  p.add_argument("--arms", nargs="+", choices=ARMS + FRONTIER_ARMS, default=list(ARMS))
   p.add_argument("--platform", choices=["cpu", "tpu"], default="cpu")
   p.add_argument("--layers", type=int, default=None, help="fewer layers than the model has")
   p.add_argument("--exchanges", type=int, default=None,

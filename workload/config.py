@@ -12,9 +12,10 @@ from typing import Any, Optional
 # The optimizers a run can use: the Muon family (hidden matrices; AdamW for the rest) and
 # the all-AdamW baseline. The frontier: NorDion2 at fractions 0.25 (its default), 0.5 and
 # 1; MuonBP with periods 4 and 8 (the blocks of 8 devices); Muon and NorMuon with weight
-# decay 0.1, plain and cautious; MuonH (the hyperball).
+# decay 0.1, plain and cautious; MuonH (the hyperball); Muon without Nesterov (as Dion2's
+# buffer has none).
 FRONTIER = ("nordion2", "nordion2-0.5", "nordion2-1", "muonbp4", "muonbp8", "muon-wd",
-            "muon-cwd", "normuon-wd", "normuon-cwd", "muonh")
+            "muon-cwd", "normuon-wd", "normuon-cwd", "muonh", "muon-no-nesterov")
 OPTIMIZERS = ("muon", "normuon", "adamuon", "adaptive", *FRONTIER, "adamw")
 # Peak learning rates: the best of each optimizer's sweep on the default configuration
 # (benchmarks/results/convergence.txt, frontier.txt). AdamW's is also every aux AdamW's.

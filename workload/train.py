@@ -40,7 +40,8 @@ FAMILY = {"muon": (mo.muon, {}), "normuon": (mo.normuon, {}), "adamuon": (mo.ada
           "normuon-wd": (mo.normuon, {"weight_decay": FRONTIER_DECAY}),
           "normuon-cwd": (mo.normuon, {"weight_decay": mo.WeightDecay(FRONTIER_DECAY,
                                                                       cautious=True)}),
-          "muonh": (mo.muonh, {})}
+          "muonh": (mo.muonh, {}),
+          "muon-no-nesterov": (mo.muon, {"nesterov": False})}
 
 
 def lr_schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
