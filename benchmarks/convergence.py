@@ -84,16 +84,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 class Runner:
   """Runs and remembers training runs by (optimizer, lr, seed, ns). With a `done` file,
-  each finished run is appended to it, keyed by its whole config, and a run found there
-  is not run again: a sweep can be stopped and resumed, across sessions."""
+  each finished run is appended to it, and a run whose whole config is found there is
+  not run again: a sweep can be stopped and resumed, across sessions."""
 
   def __init__(self, base: TrainConfig, data: tuple, done: Optional[pathlib.Path] = None):
     self.base, self.data, self.records, self.done = base, data, {}, done
-    self.saved = {}
+    self.saved = []
     if done is not None and done.exists():
-      for line in done.read_text().splitlines():
-        entry = json.loads(line)
-        self.saved[entry["key"]] = entry["record"]
+      self.saved = [json.loads(line)["record"] for line in done.read_text().splitlines()]
+
+  def _on_disk(self, cfg: TrainConfig) -> Optional[dict[str, Any]]:
+    """The saved run of `cfg`: a field a saved config lacks (one added since) counts as
+    its default, which reproduces the runs made before it existed."""
+    want, defaults = dataclasses.asdict(cfg), dataclasses.asdict(TrainConfig())
+    for record in self.saved:
+      if all(record["config"].get(k, defaults[k]) == v for k, v in want.items()):
+        return record
+    return None
 
   def __call__(self, optimizer: str, lr: float, seed: int, ns: str = "turbo",
                adam_lr: Optional[float] = None) -> dict[str, Any]:
@@ -101,8 +108,7 @@ class Runner:
     if key not in self.records:
       cfg = dataclasses.replace(self.base, optimizer=optimizer, lr=lr, seed=seed, ns=ns,
                                 adam_lr=lr if optimizer == "adamw" else adam_lr)
-      config_key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-      record = self.saved.get(config_key)
+      record = self._on_disk(cfg)
       if record is None:
         record = train(cfg, *self.data, progress=None, log=lambda line: None)
         record["label"] = (f"{optimizer} lr={lr:g} seed={seed}" +
@@ -110,7 +116,7 @@ class Runner:
         if self.done is not None:
           self.done.parent.mkdir(parents=True, exist_ok=True)
           with self.done.open("a") as f:
-            f.write(json.dumps({"key": config_key, "record": record}, default=str) + "\n")
+            f.write(json.dumps({"record": record}, default=str) + "\n")
         status = f"({record['time_s']:.0f}s)"
       else:
         status = "(on disk)"

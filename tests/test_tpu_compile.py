@@ -71,7 +71,17 @@ def test_the_exchange_in_several_parts_compiles_for_tpu(chips):
   assert stats["all-to-all"][0] == 4, stats
 
 
-@pytest.mark.parametrize("make", [mo.normuon, mo.adamuon], ids=["normuon", "adamuon"])
+FRONTIER = {
+    "normuon": mo.normuon, "adamuon": mo.adamuon,
+    "nordion2": mo.nordion2,
+    "nordion2 per shard": lambda lr, **kw: mo.nordion2(
+        lr, fraction=mo.RowSelection(0.25, scope="shard"), **kw),
+    "muonbp": lambda lr, **kw: mo.muonbp(lr, blocks=mo.BlockPeriodic(period=4), **kw),
+    "muonh": mo.muonh,
+}
+
+
+@pytest.mark.parametrize("make", FRONTIER.values(), ids=FRONTIER)
 def test_the_family_on_a_mesh_compiles_for_tpu(chips, make):
   mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
   compile_update(make(0.02, mesh=mesh), gpt_tree(), mesh, "fsdp")
