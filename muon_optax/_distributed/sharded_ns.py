@@ -157,158 +157,222 @@ class FactorMesh(NamedTuple):
     return split
 
 
-def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
-              outs: list[Layout], gather: bool, cost: NewtonSchulz, chunks_of: int = 1,
-              flops_per_byte: float = FLOPS_PER_BYTE):
-  """The per-device body: pack, all-to-all, reassemble, Newton–Schulz, send back; in
-  `chunks_of` exchanges one after another, so that only one's buffers are live at once."""
-  mesh = fmesh.mesh
-  axes, n, sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
+class _Rounds(NamedTuple):
+  """One exchange's rounds, and what the packing reads from them."""
 
-  def split_ok(item, g):
-    i = item[0]
-    return split_ns is not None and (gather or outs[i].grid == ins[i].grid)
+  rounds: list[Round]
+  blockwise: set[int]  # rounds whose column parts are whole blocks (`by_blocks`)
+  where: dict  # item -> (its round, its first device)
+  width: list[int]  # each round's slot in a device's buffer row (0: block-wise)
+  round_width: list[int]  # each round's padded matrix width
 
-  rounds = plan_rounds(shapes, n, cost, split_ok, fmesh.groups(), [lay.grid[1] for lay in ins],
-                       flops_per_byte)
-  dtype = jnp.result_type(*dtypes)
 
-  def run(stacks, rounds):
-    """One exchange of the matrices of `rounds`: {item: its result, in the wanted layout}."""
-    # Column part p of a block: its slice p of width ⌈bw / g⌉, zero-padded (`padded_cols`).
-    slice_width = lambda i, g: math.ceil(ins[i].block[1] / g)
-    part_width = lambda i, g: ins[i].grid[1] * slice_width(i, g)
-    piece = lambda i, g: math.ceil(ins[i].block[0] * slice_width(i, g) / ins[i].replicas)
-    round_width = [max(part_width(item[0], r.split) for item in r.slots if item is not None)
+class _Exchange:
+  """The per-device body of the exchange: pack, all-to-all, reassemble, Newton–Schulz,
+  send back. Built once from the static plan; `run` does one exchange of some rounds."""
+
+  def __init__(self, ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
+               outs: list[Layout], gather: bool):
+    self.ns_fn, self.split_ns, self.fmesh = ns_fn, split_ns, fmesh
+    self.shapes, self.dtypes, self.ins, self.outs, self.gather = shapes, dtypes, ins, outs, gather
+    mesh = fmesh.mesh
+    self.axes, self.n, self.sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
+    self.dtype = jnp.result_type(*dtypes)
+
+  # Column part p of a block: its slice p of width ⌈bw / g⌉, zero-padded (`padded_cols`).
+  def slice_width(self, i, g):
+    return math.ceil(self.ins[i].block[1] / g)
+
+  def piece(self, i, g):
+    return math.ceil(self.ins[i].block[0] * self.slice_width(i, g) / self.ins[i].replicas)
+
+  def plan(self, rounds: list[Round]) -> _Rounds:
+    ins, n = self.ins, self.n
+    members = lambda r: [item for item in r.slots if item is not None]
+    round_width = [max(ins[i].grid[1] * self.slice_width(i, r.split) for i, _ in members(r))
                    for r in rounds]
     blockwise = {t for t, r in enumerate(rounds)
-                 if all(by_blocks(ins[item[0]], r.split, n) and (gather or outs[item[0]] == ins[item[0]])
-                        for item in r.slots if item is not None)}
-    where = {}  # item -> (round, its first device)
+                 if all(by_blocks(ins[i], r.split, n) and (self.gather or self.outs[i] == ins[i])
+                        for i, _ in members(r))}
+    where = {}
     for t, r in enumerate(rounds):
       for d, item in enumerate(r.slots):
         where.setdefault(item, (t, d))
+    width = [0 if t in blockwise else max(self.piece(i, r.split) for i, _ in members(r))
+             for t, r in enumerate(rounds)]
+    return _Rounds(rounds, blockwise, where, width, round_width)
 
-    def variants(r: Round):
-      """The stacks of a round's members, and each device's index into them (an empty
-      slot takes the first member's: its pieces are zeros, any reassembly works)."""
-      keys = list(dict.fromkeys(item[0] for item in r.slots if item is not None))
-      return keys, [keys.index(item[0]) if item is not None else 0 for item in r.slots]
+  @staticmethod
+  def variants(r: Round):
+    """The stacks of a round's members, and each device's index into them (an empty
+    slot takes the first member's: its pieces are zeros, any reassembly works)."""
+    keys = list(dict.fromkeys(item[0] for item in r.slots if item is not None))
+    return keys, [keys.index(item[0]) if item is not None else 0 for item in r.slots]
 
-    # Each device's share of every matrix: its block (column part p of g), split
-    # between the block's replicas: shares[(i, g)] has shape (count, g, piece).
+  def shares(self, stacks, plan: _Rounds) -> dict:
+    """Each device's share of every matrix: its block (column part p of g), split between
+    the block's replicas: shares[(i, g)] has shape (count, g, piece)."""
     shares = {}
-    sliced = [t for t in range(len(rounds)) if t not in blockwise]
-    for i, g in {(item[0], rounds[t].split) for t in sliced for item in rounds[t].slots
+    sliced = [t for t in range(len(plan.rounds)) if t not in plan.blockwise]
+    for i, g in {(item[0], plan.rounds[t].split) for t in sliced for item in plan.rounds[t].slots
                  if item is not None}:
-      lay, q, x = ins[i], piece(i, g), stacks[i].astype(dtype)
-      bh, sw = lay.block[0], slice_width(i, g)
+      lay, q, x = self.ins[i], self.piece(i, g), stacks[i].astype(self.dtype)
+      bh, sw = lay.block[0], self.slice_width(i, g)
       x = jnp.pad(x, ((0, 0), (0, 0), (0, g * sw - lay.block[1])))
       x = x.reshape(-1, bh, g, sw).transpose(0, 2, 1, 3).reshape(x.shape[0], g, -1)
       if lay.replicas > 1:
         x = jnp.pad(x, ((0, 0), (0, 0), (0, q * lay.replicas - x.shape[2])))
-        rest = tuple(a for a in axes if a not in spec_axes(lay.spec[1]) + spec_axes(lay.spec[2]))
-        x = jax.lax.dynamic_slice_in_dim(x, _linear_index(rest, sizes) * q, q, axis=2)
+        rest = tuple(a for a in self.axes
+                     if a not in spec_axes(lay.spec[1]) + spec_axes(lay.spec[2]))
+        x = jax.lax.dynamic_slice_in_dim(x, _linear_index(rest, self.sizes) * q, q, axis=2)
       shares[(i, g)] = x
-    width = [0 if t in blockwise else
-             max(piece(item[0], r.split) for item in r.slots if item is not None)
-             for t, r in enumerate(rounds)]
+    return shares
+
+  def send(self, stacks, plan: _Rounds):
+    """The exchange in: (what each device received, row s from device s; the block-wise
+    rounds' parts)."""
+    shares = self.shares(stacks, plan)
     rows = []
-    for d in range(n):  # the buffer row for owner d: its slot of every round
+    for d in range(self.n):  # the buffer row for owner d: its slot of every round
       row = []
-      for t, (r, w) in enumerate(zip(rounds, width)):
-        if t in blockwise:
+      for t, (r, w) in enumerate(zip(plan.rounds, plan.width)):
+        if t in plan.blockwise:
           continue
         item = r.slots[d]
         if item is None:
-          row.append(jnp.zeros((w,), dtype))
+          row.append(jnp.zeros((w,), self.dtype))
         else:
           share = shares[(item[0], r.split)][item[1], d % r.split]
           row.append(jnp.pad(share, (0, w - share.shape[0])))
-      rows.append(jnp.concatenate(row) if row else jnp.zeros((0,), dtype))
-    recv = (jax.lax.all_to_all(jnp.stack(rows), axes, 0, 0, tiled=True)  # row s: from device s
-            if sliced else None)
-    by_block = _blocks_in({t: rounds[t] for t in blockwise}, stacks, fmesh, dtype)
+      rows.append(jnp.concatenate(row) if row else jnp.zeros((0,), self.dtype))
+    sliced = len(plan.blockwise) < len(plan.rounds)
+    recv = jax.lax.all_to_all(jnp.stack(rows), self.axes, 0, 0, tiled=True) if sliced else None
+    by_block = _blocks_in({t: plan.rounds[t] for t in plan.blockwise}, stacks, self.fmesh,
+                          self.dtype)
+    return recv, by_block
 
-    def assemble(i, r: Round, width: int):
-      lay, q, rows_ = ins[i], piece(i, r.split), shapes[i][1]
-      bh, sw = lay.block[0], slice_width(i, r.split)
-      order = np.asarray(sorted(range(n), key=lambda s: lay.where[s]))
-      def fn(seg):
-        x = seg[order, :q].reshape(*lay.grid, lay.replicas * q)[..., :bh * sw]
-        x = x.reshape(*lay.grid, bh, sw).transpose(0, 2, 1, 3).reshape(rows_, -1)
-        return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))  # zero columns: exact
-      return fn
+  def assembler(self, i, r: Round, width: int):
+    """Matrix i of round r (column part, zero-padded to `width`) from its received pieces."""
+    lay, q, rows_ = self.ins[i], self.piece(i, r.split), self.shapes[i][1]
+    bh, sw = lay.block[0], self.slice_width(i, r.split)
+    order = np.asarray(sorted(range(self.n), key=lambda s: lay.where[s]))
 
+    def fn(seg):
+      x = seg[order, :q].reshape(*lay.grid, lay.replicas * q)[..., :bh * sw]
+      x = x.reshape(*lay.grid, bh, sw).transpose(0, 2, 1, 3).reshape(rows_, -1)
+      return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))  # zero columns: exact
+    return fn
+
+  def assemble(self, recv, by_block, plan: _Rounds) -> list:
+    """This device's matrix (or column part) of every round."""
     mats, start = [], 0
-    for t, (r, w, width_r) in enumerate(zip(rounds, width, round_width)):
-      if t in blockwise:
+    for t, (r, w, width_r) in enumerate(zip(plan.rounds, plan.width, plan.round_width)):
+      if t in plan.blockwise:
         mats.append(by_block[t])
         continue
-      keys, table = variants(r)
-      mats.append(_switch(table, [assemble(i, r, width_r) for i in keys], axes, sizes,
-                          recv[:, start:start + w]))
+      keys, table = self.variants(r)
+      mats.append(_switch(table, [self.assembler(i, r, width_r) for i in keys], self.axes,
+                          self.sizes, recv[:, start:start + w]))
       start += w
+    return mats
+
+  def solve(self, mats, plan: _Rounds) -> list:
+    """Local Newton–Schulz, one batch per (shape, split)."""
     results = list(mats)
     by_shape: dict[tuple[int, int, int], list[int]] = {}
-    for t, (r, x) in enumerate(zip(rounds, mats)):
+    for t, (r, x) in enumerate(zip(plan.rounds, mats)):
       by_shape.setdefault((*x.shape, r.split), []).append(t)
-    for (_, _, g), members in by_shape.items():  # local Newton–Schulz, one batch per shape
+    for (_, _, g), members in by_shape.items():
       batch = jnp.stack([mats[t] for t in members])
-      batch = ns_fn(batch) if g == 1 else split_ns(batch, g)
+      batch = self.ns_fn(batch) if g == 1 else self.split_ns(batch, g)
       for k, t in enumerate(members):
         results[t] = batch[k]
+    return results
 
-    if gather:  # every device gets every result
-      sent = jax.lax.all_gather(jnp.concatenate([x.reshape(-1) for x in results]), axes,
-                                tiled=False)
-      offsets = np.cumsum([0] + [x.size for x in results])
-      def result(i, j):
-        (t, d), r = where[(i, j)], rounds[where[(i, j)][0]]
-        (rows_, cols), ak, sw = shapes[i][1:], ins[i].grid[1], slice_width(i, r.split)
-        parts = [sent[d + p, offsets[t]:offsets[t + 1]].reshape(results[t].shape)
-                 for p in range(r.split)]
-        if t in blockwise:  # part p: blocks q·g + p, q = 0, 1, …
-          x = jnp.stack(parts).reshape(r.split, rows_, n // r.split, ins[i].block[1])
-          return x.transpose(1, 2, 0, 3).reshape(rows_, cols)
-        x = jnp.stack([x[:, :ak * sw] for x in parts]).reshape(r.split, rows_, ak, sw)
-        x = x.transpose(1, 2, 0, 3).reshape(rows_, ak, r.split * sw)
-        return x[:, :, :ins[i].block[1]].reshape(rows_, cols)
-    else:  # every device gets its block of every result, in the wanted layout
-      # A split result's parts have the input's grid (split_ok), hence its slices.
-      out_slice = lambda i, g: slice_width(i, g) if g > 1 else outs[i].block[1]
-      w_out = [max(outs[item[0]].block[0] * out_slice(item[0], r.split)
-                   for item in r.slots if item) for r in rounds]
-      def blocks(i, r: Round, w):
-        lay, rows_ = outs[i], shapes[i][1]
-        bh, sw = lay.block[0], out_slice(i, r.split)
-        pick = np.asarray([lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(n)])
-        def fn(x):
-          b = x[:rows_, :lay.grid[1] * sw].reshape(lay.grid[0], bh, lay.grid[1], sw)
-          b = b.transpose(0, 2, 1, 3).reshape(-1, bh * sw)[pick]
-          return jnp.pad(b, ((0, 0), (0, w - bh * sw)))
-        return fn
-      parts = []
-      for t, (r, x, w) in enumerate(zip(rounds, results, w_out)):
-        if t in blockwise:
-          w_out[t] = 0
-          continue
-        keys, table = variants(r)
-        parts.append(_switch(table, [blocks(i, r, w) for i in keys], axes, sizes, x))
-      back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), axes, 0, 0, tiled=True)
-              if parts else None)
-      by_block = _blocks_out({t: rounds[t] for t in blockwise}, results, fmesh, dtype)
-      offsets = np.cumsum([0] + w_out)
-      def result(i, j):
-        (t, d), r = where[(i, j)], rounds[where[(i, j)][0]]
-        if t in blockwise:  # matrix q of the round, from the owner of this device's block
-          return by_block[t][d // r.split]
-        bh, sw = outs[i].block[0], out_slice(i, r.split)
-        x = jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * sw].reshape(bh, sw)
-                             for p in range(r.split)], axis=1)
-        return x[:, :outs[i].block[1]]
-    return {item: result(*item) for item in where if item is not None}
+  def gathered(self, results, plan: _Rounds) -> dict:
+    """Every device gets every result: one all-gather of the owners' packed results."""
+    n, ins, shapes = self.n, self.ins, self.shapes
+    sent = jax.lax.all_gather(jnp.concatenate([x.reshape(-1) for x in results]), self.axes,
+                              tiled=False)
+    offsets = np.cumsum([0] + [x.size for x in results])
 
+    def result(i, j):
+      (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
+      (rows_, cols), ak, sw = shapes[i][1:], ins[i].grid[1], self.slice_width(i, r.split)
+      parts = [sent[d + p, offsets[t]:offsets[t + 1]].reshape(results[t].shape)
+               for p in range(r.split)]
+      if t in plan.blockwise:  # part p: blocks q·g + p, q = 0, 1, …
+        x = jnp.stack(parts).reshape(r.split, rows_, n // r.split, ins[i].block[1])
+        return x.transpose(1, 2, 0, 3).reshape(rows_, cols)
+      x = jnp.stack([x[:, :ak * sw] for x in parts]).reshape(r.split, rows_, ak, sw)
+      x = x.transpose(1, 2, 0, 3).reshape(rows_, ak, r.split * sw)
+      return x[:, :, :ins[i].block[1]].reshape(rows_, cols)
+    return {item: result(*item) for item in plan.where if item is not None}
+
+  def out_slice(self, i, g):
+    # A split result's parts have the input's grid (split_ok), hence its slices.
+    return self.slice_width(i, g) if g > 1 else self.outs[i].block[1]
+
+  def blocks_of(self, i, r: Round, w):
+    """Every device's block of result i, in the wanted layout, one row per device."""
+    lay, rows_ = self.outs[i], self.shapes[i][1]
+    bh, sw = lay.block[0], self.out_slice(i, r.split)
+    pick = np.asarray([lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(self.n)])
+
+    def fn(x):
+      b = x[:rows_, :lay.grid[1] * sw].reshape(lay.grid[0], bh, lay.grid[1], sw)
+      b = b.transpose(0, 2, 1, 3).reshape(-1, bh * sw)[pick]
+      return jnp.pad(b, ((0, 0), (0, w - bh * sw)))
+    return fn
+
+  def scattered(self, results, plan: _Rounds) -> dict:
+    """Every device gets its block of every result, in the wanted layout: one all-to-all."""
+    outs = self.outs
+    w_out = [max(outs[item[0]].block[0] * self.out_slice(item[0], r.split)
+                 for item in r.slots if item) for r in plan.rounds]
+    parts = []
+    for t, (r, x, w) in enumerate(zip(plan.rounds, results, w_out)):
+      if t in plan.blockwise:
+        w_out[t] = 0
+        continue
+      keys, table = self.variants(r)
+      parts.append(_switch(table, [self.blocks_of(i, r, w) for i in keys], self.axes,
+                           self.sizes, x))
+    back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), self.axes, 0, 0, tiled=True)
+            if parts else None)
+    by_block = _blocks_out({t: plan.rounds[t] for t in plan.blockwise}, results, self.fmesh,
+                           self.dtype)
+    offsets = np.cumsum([0] + w_out)
+
+    def result(i, j):
+      (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
+      if t in plan.blockwise:  # matrix q of the round, from the owner of this device's block
+        return by_block[t][d // r.split]
+      bh, sw = outs[i].block[0], self.out_slice(i, r.split)
+      x = jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * sw].reshape(bh, sw)
+                           for p in range(r.split)], axis=1)
+      return x[:, :outs[i].block[1]]
+    return {item: result(*item) for item in plan.where if item is not None}
+
+  def run(self, stacks, rounds: list[Round]) -> dict:
+    """One exchange of the matrices of `rounds`: {item: its result, in the wanted layout}."""
+    plan = self.plan(rounds)
+    results = self.solve(self.assemble(*self.send(stacks, plan), plan), plan)
+    return self.gathered(results, plan) if self.gather else self.scattered(results, plan)
+
+
+def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
+              outs: list[Layout], gather: bool, cost: NewtonSchulz, chunks_of: int = 1,
+              flops_per_byte: float = FLOPS_PER_BYTE):
+  """The per-device body over all rounds, in `chunks_of` exchanges one after another, so
+  that only one's buffers are live at once."""
+  def split_ok(item, g):
+    i = item[0]
+    return split_ns is not None and (gather or outs[i].grid == ins[i].grid)
+
+  rounds = plan_rounds(shapes, fmesh.mesh.size, cost, split_ok, fmesh.groups(),
+                       [lay.grid[1] for lay in ins], flops_per_byte)
+  exchange = _Exchange(ns_fn, split_ns, fmesh, shapes, dtypes, ins, outs, gather)
   parts = chunks(rounds, chunks_of)
 
   def lower(stacks):
@@ -317,7 +381,7 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
       if k:  # the next chunk starts from inputs that wait for the last one's results
         stacks, finished = jax.lax.optimization_barrier((stacks, list(done.values())))
         done = dict(zip(done, finished))
-      done.update(run(stacks, chunk))
+      done.update(exchange.run(stacks, chunk))
     return [jnp.stack([done[i, j] for j in range(shape[0])]).astype(dt)
             for i, (shape, dt) in enumerate(zip(shapes, dtypes))]
 
