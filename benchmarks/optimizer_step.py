@@ -17,7 +17,8 @@ One timed step is a jitted `update` + `apply_updates` with params and state dona
 waited on; the arms take turns step by step (`common.time_steps`), so that load on a
 shared machine hits all alike. Prints, per layer count, the min and median step time of
 N steps and their ratios to optax.contrib.muon, the load while they ran (and whether
-the machine was busy), the optimizer-state bytes per parameter (all parameters, and the
+the machine was busy), each arm's update flops as XLA counts them (deterministic; MuonBP's
+update holds both kinds of step), the optimizer-state bytes per parameter (all parameters, and the
 Muon kernels alone); then the polar error of each arm's Newton–Schulz on the layer-0
 kernel gradients.
 
@@ -81,6 +82,16 @@ def kernel_state_bytes(args, layers: int) -> dict[str, float]:
           for name, tx in optimizer_arms(tree).items()}
 
 
+def compiled_gflops(params, grads) -> dict[str, str]:
+  """Each arm's update, compiled: XLA's flop count (deterministic, whatever the load)."""
+  out = {}
+  for name, tx in optimizer_arms(params).items():
+    state = jax.eval_shape(tx.init, params)
+    cost = jax.jit(tx.update).lower(grads, state, params).compile().cost_analysis()
+    out[name] = f"{(cost[0] if isinstance(cost, list) else cost)['flops'] / 1e9:.1f}"
+  return out
+
+
 def run(args, layers: int) -> dict[str, list[float]]:
   params = gpt2_tree(layers, jax.random.key(0), d=args.d, vocab=args.vocab, ctx=args.ctx)
   grads = random_like(params, jax.random.key(1), 1e-3)
@@ -95,6 +106,7 @@ def run(args, layers: int) -> dict[str, list[float]]:
     times, states = time_steps(optimizer_arms(params), params, grads, args.warmup, args.steps)
   print(load.note() + "\n")
   print(ratio_table(times, REFERENCE, extra={
+      "update GFLOP (compiled)": compiled_gflops(params, grads),
       "state B/param (all)": {k: f"{tree_bytes(s) / num_params(params):.2f}"
                               for k, s in states.items()},
       "state B/param (Muon kernels)": {k: f"{b:.2f}"
