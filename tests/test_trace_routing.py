@@ -1,61 +1,18 @@
-"""infer_routing: routing tables read from the computation, asserted leaf by leaf, and
-Muon's update on every inferred view checked against a plain Newton–Schulz reference."""
+"""infer_routing on models as people write them (nnx, Linen auto names, convolutions,
+names that fool the rules, plain dicts), asserted leaf by leaf, with Muon's update on
+every inferred view checked against a plain Newton–Schulz reference."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import float32_bound, rel
 from flax import nnx
 from gpt_model import GPT
+from routing_case import V, assert_muon_update_is_ns_of_each_view, table
 
 import muon_optax as mo
 from muon_optax._util.paths import leaves_with_path
-
-V = mo.MatrixView
-JORDAN = (3.4445, -4.7750, 2.0315)
-
-
-def table(routing):
-  """path -> (label, view) for every leaf of an inferred Routing."""
-  return {p: (d.label, d.view) for p, (_, d) in routing.decisions.items()}
-
-
-def ns_reference(m, dtype):
-  """Jordan's quintic Newton–Schulz on one matrix, in numpy at `dtype`."""
-  x = np.asarray(m, dtype)
-  tall = x.shape[0] > x.shape[1]
-  x = x.T if tall else x
-  x = x / np.linalg.norm(x)
-  a, b, c = (dtype(v) for v in JORDAN)
-  for _ in range(5):
-    g = x @ x.T
-    x = a * x + (b * g + c * g @ g) @ x
-  return x.T if tall else x
-
-
-def assert_muon_update_is_ns_of_each_view(routing, params):
-  """With beta=0, no shape scaling and lr=1, Muon's update of a leaf is -NS(its matrices)."""
-  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
-  tx = mo.muon(1.0, beta=0.0, nesterov=False, scale=None, ns="jordan",  # 5 steps
-               routing=routing)
-  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-  checked = 0
-  for (path, g), (_, u) in zip(leaves_with_path(grads), leaves_with_path(updates)):
-    label, view = table(routing)[path]
-    if label != "muon":
-      continue
-    order = view.batch + view.fan_in + view.fan_out
-    count, fan_in, fan_out = view.matrix_shape(g.shape)
-    mats = np.transpose(np.asarray(g), order).reshape(count, fan_in, fan_out)
-    ref64 = np.stack([ns_reference(m, np.float64) for m in mats])
-    permuted = np.transpose(-np.asarray(u, np.float64), order).reshape(count, fan_in, fan_out)
-    # Any float32 evaluation (standard or Gram-space) is within the a priori bound.
-    assert np.all(rel(permuted, ref64) < float32_bound("jordan")), path
-    checked += 1
-  assert checked
-
 
 # --- an nnx GPT, tied and untied --------------------------------------------------
 
@@ -176,112 +133,6 @@ def test_conv_layouts_1d_and_3d_from_dimension_numbers():
   assert_muon_update_is_ns_of_each_view(routing, params)
 
 
-# --- stacks: scan, vmap, MoE --------------------------------------------------------
-
-def test_jax_lax_scan_stack_and_nested_jit_and_checkpoint():
-  params = {"embed": jnp.ones((32, 8)), "stack": {"w": jnp.ones((3, 8, 8)), "g": jnp.ones((3, 8))},
-            "out": jnp.ones((8, 32))}
-
-  @jax.jit
-  def layer(x, w, g):
-    return jax.checkpoint(lambda x: jax.nn.gelu(x @ w) * g)(x)
-
-  def f(p, ids):
-    x = jnp.take(p["embed"], ids, axis=0)
-    x, _ = jax.lax.scan(lambda x, wg: (jax.jit(layer)(x, *wg), None), x,
-                        (p["stack"]["w"], p["stack"]["g"]))
-    return x @ p["out"]
-
-  routing = mo.infer_routing(f, params, jnp.zeros(4, jnp.int32))
-  assert table(routing) == {"embed": ("adam", None), "out": ("adam", None),
-                            "stack/w": ("muon", V((0,), (1,), (2,))), "stack/g": ("adam", None)}
-  assert "3×(8×8)" in str(routing)
-  assert_muon_update_is_ns_of_each_view(routing, params)
-
-
-def test_fori_loop_over_a_stack_indexes_layers_not_embeddings():
-  params = {"w": jnp.ones((3, 8, 16)), "v": jnp.ones((3, 16, 8)), "head": jnp.ones((8, 2))}
-
-  def f(p, x):
-    body = lambda i, x: jnp.tanh(x @ p["w"][i]) @ p["v"][i]
-    return jax.lax.fori_loop(0, 3, body, x) @ p["head"]
-
-  routing = mo.infer_routing(f, params, jnp.ones((4, 8)))
-  assert table(routing) == {"w": ("muon", V((0,), (1,), (2,))), "v": ("muon", V((0,), (1,), (2,))),
-                            "head": ("adam", None)}
-
-
-class ScanStack(nnx.Module):
-  def __init__(self, layers, d, *, rngs):
-    @nnx.split_rngs(splits=layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return nnx.Linear(d, d, rngs=rngs)
-
-    self.layers = make(rngs)
-    self.head = nnx.Linear(d, 3, rngs=rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def step(x, layer):
-      return jax.nn.relu(layer(x))
-
-    return self.head(step(x, self.layers))
-
-
-def test_nnx_scan_over_a_vmapped_stack():
-  model = ScanStack(4, 8, rngs=nnx.Rngs(0))
-  routing = mo.infer_routing(model, jnp.ones((2, 8)))
-  assert table(routing) == {"layers/kernel": ("muon", V((0,), (1,), (2,))),
-                            "layers/bias": ("adam", None),
-                            "head/kernel": ("adam", None), "head/bias": ("adam", None)}
-  assert_muon_update_is_ns_of_each_view(routing, nnx.state(model, nnx.Param))
-
-
-class Ensemble(nnx.Module):
-  def __init__(self, members, d, *, rngs):
-    @nnx.split_rngs(splits=members)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return nnx.Linear(d, 2 * d, rngs=rngs)
-
-    self.members = make(rngs)
-    self.head = nnx.Linear(2 * d, 1, rngs=rngs)
-
-  def __call__(self, x, batched):
-    forward = nnx.vmap(lambda m, x: jax.nn.relu(m(x)), in_axes=(0, 0 if batched else None))
-    return self.head(forward(self.members, x).mean(0))
-
-
-@pytest.mark.parametrize("batched", [True, False])
-def test_nnx_vmap_stack_forward(batched):
-  model = Ensemble(3, 8, rngs=nnx.Rngs(0))
-  x = jnp.ones((3, 2, 8)) if batched else jnp.ones((2, 8))
-  routing = mo.infer_routing(model, x, batched=batched)
-  assert table(routing) == {"members/kernel": ("muon", V((0,), (1,), (2,))),
-                            "members/bias": ("adam", None),
-                            "head/kernel": ("adam", None), "head/bias": ("adam", None)}
-
-
-def test_moe_einsum_experts():
-  params = {"router": jnp.ones((8, 4)), "w_in": jnp.ones((4, 8, 32)),
-            "w_out": jnp.ones((4, 32, 8)), "unembed": jnp.ones((8, 16))}
-
-  def f(p, x):
-    gates = jax.nn.softmax(x @ p["router"])
-    xe = jnp.einsum("be,bd->ebd", gates, x)
-    h = jax.nn.gelu(jnp.einsum("ebd,edf->ebf", xe, p["w_in"]))
-    y = jnp.einsum("ebf,efd->ebd", h, p["w_out"]).sum(0)  # experts stay a batch axis
-    return (x + y) @ p["unembed"]
-
-  routing = mo.infer_routing(f, params, jnp.ones((6, 8)))
-  assert table(routing) == {"router": ("muon", V((), (0,), (1,))),
-                            "w_in": ("muon", V((0,), (1,), (2,))),
-                            "w_out": ("muon", V((0,), (1,), (2,))), "unembed": ("adam", None)}
-  assert "4×(8×32)" in str(routing) and "4×(32×8)" in str(routing)
-  assert_muon_update_is_ns_of_each_view(routing, params)
-
-
 # --- names that fool the name rules; plain dicts ------------------------------------
 
 def test_names_that_fool_the_name_rules():
@@ -326,48 +177,6 @@ def test_plain_dict_params_and_rules_and_overrides():
   assert table(forced)["out"] == ("muon", V((), (0,), (1,)))
 
 
-# --- bad input --------------------------------------------------------------------
-
-def test_unused_leaf_names_the_path():
-  params = {"w": jnp.ones((4, 4)), "spare": jnp.ones((4, 4))}
-  with pytest.raises(ValueError, match=r"'spare'.*not used"):
-    mo.infer_routing(lambda p, x: x @ p["w"], params, jnp.ones((2, 4)))
-  routing = mo.infer_routing(lambda p, x: x @ p["w"], params, jnp.ones((2, 4)),
-                             overrides=[("spare", "frozen")])
-  assert routing.labels(params)["spare"] == "frozen"
-
-
-def test_leaf_used_two_ways_names_the_path_and_uses():
-  params = {"w": jnp.ones((4, 6)), "k": jnp.ones((3, 3, 4, 6))}
-  f = lambda p, x: (x @ p["w"]) @ p["w"].T
-  two_ways = r"'w'.*incompatible.*dot_general as 4×6, dot_general as 6×4"
-  with pytest.raises(ValueError, match=two_ways):
-    mo.infer_routing(f, {"w": params["w"]}, jnp.ones((2, 4)))
-  conv = lambda p, img: jax.lax.conv_general_dilated(
-      img, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-  g = lambda p, x, img: (x @ p["k"][0, 0]).sum() + conv(p, img).sum() + (x @ p["w"]).sum()
-  two_ways = r"'k'.*incompatible.*conv 3×3×4→6 → 36×6, dot_general as 9×\(4×6\)"
-  with pytest.raises(ValueError, match=two_ways):
-    mo.infer_routing(g, params, jnp.ones((2, 4)), jnp.ones((1, 5, 5, 4)))
-
-
-def test_f_that_fails_to_trace():
-  with pytest.raises(ValueError, match="could not trace f"):
-    mo.infer_routing(lambda p, x: x @ p["w"], {"w": jnp.ones((4, 4))}, jnp.ones((2, 5)))
-  with pytest.raises(ValueError, match="pass the params"):
-    mo.infer_routing(lambda p: p)
-  with pytest.raises(ValueError, match=r"routing rule \('\(', 'adam'\) has a bad regex"):
-    mo.infer_routing(lambda p, x: x @ p["w"], {"w": jnp.ones((4, 4))}, jnp.ones((2, 4)),
-                     overrides=[("(", "adam")])
-
-
-def test_routing_of_other_params_is_an_error_naming_the_path():
-  routing = mo.infer_routing(lambda p, x: jnp.tanh(x @ p["w"]) @ p["o"],
-                             {"w": jnp.ones((4, 4)), "o": jnp.ones((4, 2))}, jnp.ones((2, 4)))
-  with pytest.raises(ValueError, match=r"'v'.*not in this Routing"):
-    routing.labels({"v": jnp.ones((4, 4))})
-
-
 def test_checkpointer_takes_the_routing(tmp_path):
   params = {"w": jnp.ones((4, 4)), "o": jnp.ones((4, 2))}
   routing = mo.infer_routing(lambda p, x: jnp.tanh(x @ p["w"]) @ p["o"], params, jnp.ones((2, 4)))
@@ -392,38 +201,6 @@ def test_given_views_replace_inferred_ones():
                            views=lambda path, shape: stacked if path == "stack" else None)
   assert table(given)["stack"] == ("muon", stacked)
   assert_muon_update_is_ns_of_each_view(given, params)
-
-
-def test_shard_map_body_is_followed():
-  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-  spec = jax.sharding.PartitionSpec
-  params = {"w": jnp.ones((8, 16)), "v": jnp.ones((16, 8)), "head": jnp.ones((8, 3))}
-
-  def f(p, x):
-    body = jax.shard_map(lambda x, w, v: jnp.tanh(x @ w) @ v, mesh=mesh,
-                         in_specs=(spec("data"), spec(), spec()), out_specs=spec("data"))
-    return body(x, p["w"], p["v"]) @ p["head"]
-
-  x = jax.device_put(jnp.ones((8, 8)), jax.sharding.NamedSharding(mesh, spec("data")))
-  routing = mo.infer_routing(f, params, x)
-  assert table(routing) == {"w": ("muon", V((), (0,), (1,))), "v": ("muon", V((), (0,), (1,))),
-                            "head": ("adam", None)}
-
-
-def test_while_loop_and_cond_bodies_are_followed():
-  params = {"w": jnp.ones((3, 8, 8)), "a": jnp.ones((8, 8)), "b": jnp.ones((8, 8)),
-            "head": jnp.ones((8, 2))}
-
-  def f(p, x, n):
-    def body(carry):
-      i, x = carry
-      x = jax.lax.cond(i % 2 == 0, lambda x: x @ p["a"], lambda x: jnp.tanh(x @ p["b"]), x)
-      return i + 1, x @ jax.lax.dynamic_index_in_dim(p["w"], i % 3, keepdims=False)
-    return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1] @ p["head"]
-
-  routing = mo.infer_routing(f, params, jnp.ones((2, 8)), jnp.int32(5))
-  assert table(routing) == {"w": ("muon", V((0,), (1,), (2,))), "a": ("muon", V((), (0,), (1,))),
-                            "b": ("muon", V((), (0,), (1,))), "head": ("adam", None)}
 
 
 class Trainable(nnx.Module):
@@ -453,55 +230,3 @@ def test_nnx_model_in_training_mode_is_left_as_it_was_and_trains_with_the_routin
   grads = nnx.grad(lambda m: (m(jnp.ones((3, 4))) ** 2).mean())(model)
   optimizer.update(model, grads)
   assert not np.allclose(model.l1.kernel[...], kernel)
-
-
-def test_a_row_looked_up_by_dynamic_index_is_an_embedding_even_when_multiplied():
-  params = {"table": jnp.ones((10, 8)), "w": jnp.ones((8, 8)), "head": jnp.ones((8, 2))}
-  f = lambda p, tok: jnp.tanh(jax.lax.dynamic_index_in_dim(p["table"], tok, keepdims=False)
-                              @ p["w"]) @ p["head"]
-  routing = mo.infer_routing(f, params, jnp.int32(3))
-  assert table(routing) == {"table": ("adam", None), "w": ("muon", V((), (0,), (1,))),
-                            "head": ("adam", None)}
-  assert routing.decisions["table"][1].reason == "dynamic index → embedding"
-
-
-def test_custom_jvp_and_custom_vjp_bodies_are_followed():
-  @jax.custom_vjp
-  def matmul(x, w):
-    return x @ w
-
-  matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
-
-  @jax.custom_jvp
-  def tanh_matmul(x, w):
-    return jnp.tanh(x @ w)
-
-  tanh_matmul.defjvp(lambda p, t: (tanh_matmul(*p), t[0] @ p[1]))
-  params = {"a": jnp.ones((4, 8)), "b": jnp.ones((8, 8)), "head": jnp.ones((8, 2))}
-  f = lambda p, x: tanh_matmul(matmul(x, p["a"]), p["b"]) @ p["head"]
-  routing = mo.infer_routing(f, params, jnp.ones((2, 4)))
-  assert table(routing) == {"a": ("muon", V((), (0,), (1,))), "b": ("muon", V((), (0,), (1,))),
-                            "head": ("adam", None)}
-
-
-class LinenScanned(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    class Body(nn.Module):
-      @nn.compact
-      def __call__(self, c, _):
-        return nn.gelu(nn.Dense(16)(c)), None
-
-    scanned = nn.scan(Body, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
-    x, _ = scanned(name="layers")(x, None)
-    return nn.Dense(3, name="Dense_0")(x)
-
-
-def test_linen_nn_scan_stack():
-  x = jnp.ones((2, 16))
-  params = LinenScanned().init(jax.random.key(0), x)["params"]
-  routing = mo.infer_routing(lambda p, x: LinenScanned().apply({"params": p}, x), params, x)
-  assert table(routing) == {"layers/Dense_0/kernel": ("muon", V((0,), (1,), (2,))),
-                            "layers/Dense_0/bias": ("adam", None),
-                            "Dense_0/kernel": ("adam", None), "Dense_0/bias": ("adam", None)}
-  assert_muon_update_is_ns_of_each_view(routing, params)
