@@ -32,7 +32,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   add_flags(p, ["steps", "d_model", "layers", "eval_every", "data_root"], steps=350,
             d_model=64, layers=2, eval_every=25)
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  p.add_argument("--lrs", type=float, nargs="+", default=[0.02, 0.04, 0.08])
+  p.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04, 0.08])
   p.add_argument("--adam-lr", type=float, default=6e-3)
   p.add_argument("--out-dir", default="runs/fused_qkv")
   return p.parse_args(argv)
