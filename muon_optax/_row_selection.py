@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from muon_optax._distributed.layouts import divided_axis
@@ -185,7 +186,7 @@ def select_rows(
       counts = [groups if divided_axis(shape, groups) == leaf_views[i].normalize(len(shape)
                                                                           ).fan_out[0] else 1
                 for i, shape in zip(live, shapes)]
-      results = _per_shard(stacks, counts, select, solver)
+      results = _per_shard(stacks, counts, select, solver, layout, groups)
     out, new_buffers = [g for _, g in flat], list(buffers)
     for i, result in zip(live, results):
       view, g = leaf_views[i], flat[i][1]
@@ -209,8 +210,24 @@ def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) 
   return _scatter(orthogonal.astype(stack.dtype), index, stack.shape[-1])
 
 
+def _on_shards(fn, layout: Optional[MeshLayout], groups: int, devices: int):
+  """`fn` of arrays whose leading axis holds `groups` equal blocks, run where the blocks
+  lie: in a shard_map over the data axes when the groups are the devices' shards (an
+  Auto mesh), so that the partitioner adds no collective; else as it is."""
+  if layout is None or layout.explicit or groups != devices or groups == 1:
+    return fn
+  spec = P(layout.data_axis)
+
+  def local(*args):
+    body = jax.shard_map(fn, mesh=layout.mesh, in_specs=tuple(spec for _ in args),
+                         out_specs=spec, check_vma=False)
+    with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
+      return body(*args)
+  return local
+
+
 def _per_shard(stacks: list[jax.Array], groups: list[int], select: RowSelection,
-               solver) -> list:
+               solver, layout: Optional[MeshLayout], devices: int) -> list:
   """Each (count, fan_in, fan_out) stack orthogonalized on the top neurons of each of its
   `groups` contiguous groups of its fan-out; only those chosen go to `solver`."""
   compact, picks = [], []
@@ -219,7 +236,8 @@ def _per_shard(stacks: list[jax.Array], groups: list[int], select: RowSelection,
     group = fan_out // n
     # Groups first, so that a group axis split over devices stays where it lies.
     grouped = jnp.moveaxis(m.reshape(count, fan_in, n, group), 2, 0).reshape(n * count, fan_in, group)
-    index, chosen = _select(grouped, select.count(group))
+    index, chosen = _on_shards(lambda x: _select(x, select.count(group)), layout, n,
+                               devices)(grouped)
     k = index.shape[-1]
     chosen = jnp.moveaxis(chosen.reshape(n, count, fan_in, k), 0, 2).reshape(count, fan_in, n * k)
     compact.append(chosen)
@@ -231,7 +249,8 @@ def _per_shard(stacks: list[jax.Array], groups: list[int], select: RowSelection,
     count, fan_in, fan_out = m.shape
     o = jnp.swapaxes(result, -1, -2) if wide.transposed else result
     o = jnp.moveaxis(o.reshape(count, fan_in, n, k), 2, 0).reshape(n * count, fan_in, k)
-    full = _scatter(o.astype(m.dtype), index, group).reshape(n, count, fan_in, group)
+    scatter = _on_shards(lambda o, index: _scatter(o, index, group), layout, n, devices)
+    full = scatter(o.astype(m.dtype), index).reshape(n, count, fan_in, group)
     out.append(jnp.moveaxis(full, 0, 2).reshape(count, fan_in, fan_out))
   return out
 
