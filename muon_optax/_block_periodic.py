@@ -92,6 +92,45 @@ def _join(blocks: jax.Array, axis: Optional[int], shape: tuple[int, ...]) -> jax
   return jnp.moveaxis(blocks, 0, axis).reshape(shape)
 
 
+def _blocks_here(xs, leaf_views, blocks: BlockPeriodic, solve) -> list:
+  """One device: each leaf cut into the blocks `blocks.devices` devices would hold, each
+  block orthogonalized through the leaf's view, RMS-matched and scaled."""
+  n = blocks.devices
+  axes = [divided_axis(x.shape, n) for x in xs]
+  stacked = [_split(x, a, n) for x, a in zip(xs, axes)]
+  # Every block of a leaf is one more matrix of its view's batch: vmap the view.
+  mats, back = [], []
+  for s, view in zip(stacked, leaf_views):
+    block_shape = s.shape[1:]
+    m = jax.vmap(view.to_matrices)(s)
+    mats.append(m.reshape(-1, *m.shape[2:]))
+    back.append((m.shape, block_shape))
+  ortho = _orthogonalize_each(mats, [MatrixView((0,), (1,), (2,))] * len(mats), solve)
+  out = []
+  for o, (mshape, block_shape), view, a, x in zip(ortho, back, leaf_views, axes, xs):
+    b = jax.vmap(lambda m, v=view, s=block_shape: v.from_matrices(m, s))(o.reshape(mshape))
+    factor = blocks.block_scale * _block_factor(view, block_shape, x.shape)
+    out.append((_join(b, a, x.shape) * factor).astype(x.dtype))
+  return out
+
+
+def _blocks_on_mesh(xs, leaf_views, blocks: BlockPeriodic, solve, layout: MeshLayout) -> list:
+  """A mesh: each device orthogonalizes its own block of each leaf in a shard_map (no
+  collective), RMS-matched and scaled; results lie as the state does."""
+  specs = [explicit_spec(x) or data_spec(tuple(x.shape), layout.mesh, layout.data_axis)
+           for x in xs]
+
+  def local(*ys):
+    ortho = _orthogonalize_each(list(ys), leaf_views, solve)
+    return tuple((o * (blocks.block_scale * _block_factor(v, y.shape, x.shape))
+                  ).astype(x.dtype) for o, v, y, x in zip(ortho, leaf_views, ys, xs))
+
+  body = jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(specs),
+                       out_specs=tuple(specs), check_vma=False)
+  with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
+    return list(body(*xs))
+
+
 def orthogonalize_blocks(
     blocks: BlockPeriodic = DEFAULT_BLOCKS,
     ns: NS = DEFAULT_NS,
@@ -149,51 +188,18 @@ def orthogonalize_blocks(
     leaf_views = [matrix_view_of(views, paths.path_str(flat[i][0]), flat[i][1]) for i in live]
     xs = [flat[i][1] for i in live]
     if layout is None:
-      results = _blocks_here(xs, leaf_views)
+      results = _blocks_here(xs, leaf_views, blocks, solve)
     else:
       # Results go where the full step puts them: laid out like the params on an Explicit
       # mesh (the two branches of the cond must agree), else as the state lies.
       likes = jax.tree_util.tree_leaves(params, is_leaf=paths.is_masked) if params else []
       likes = [likes[i] for i in live] if len(likes) == len(flat) else xs
       results = [reshard_to(r, explicit_spec(like)) for r, like in
-                 zip(_blocks_on_mesh(xs, leaf_views), likes)]
+                 zip(_blocks_on_mesh(xs, leaf_views, blocks, solve, layout), likes)]
     out = [x for _, x in flat]
     for i, r in zip(live, results):
       out[i] = r
     return treedef.unflatten(out)
-
-  def _blocks_here(xs, leaf_views):
-    n = blocks.devices
-    axes = [divided_axis(x.shape, n) for x in xs]
-    stacked = [_split(x, a, n) for x, a in zip(xs, axes)]
-    # Every block of a leaf is one more matrix of its view's batch: vmap the view.
-    mats, back = [], []
-    for s, view in zip(stacked, leaf_views):
-      block_shape = s.shape[1:]
-      m = jax.vmap(view.to_matrices)(s)
-      mats.append(m.reshape(-1, *m.shape[2:]))
-      back.append((m.shape, block_shape))
-    ortho = _orthogonalize_each(mats, [MatrixView((0,), (1,), (2,))] * len(mats), solve)
-    out = []
-    for o, (mshape, block_shape), view, a, x in zip(ortho, back, leaf_views, axes, xs):
-      b = jax.vmap(lambda m, v=view, s=block_shape: v.from_matrices(m, s))(o.reshape(mshape))
-      factor = blocks.block_scale * _block_factor(view, block_shape, x.shape)
-      out.append((_join(b, a, x.shape) * factor).astype(x.dtype))
-    return out
-
-  def _blocks_on_mesh(xs, leaf_views):
-    specs = [explicit_spec(x) or data_spec(tuple(x.shape), layout.mesh, layout.data_axis)
-             for x in xs]
-
-    def local(*ys):
-      ortho = _orthogonalize_each(list(ys), leaf_views, solve)
-      return tuple((o * (blocks.block_scale * _block_factor(v, y.shape, x.shape))
-                    ).astype(x.dtype) for o, v, y, x in zip(ortho, leaf_views, ys, xs))
-
-    body = jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(specs),
-                         out_specs=tuple(specs), check_vma=False)
-    with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-      return list(body(*xs))
 
   def update_fn(updates, state, params=None):
     whole = lambda u: full.update(u, optax.EmptyState(), params)[0]
