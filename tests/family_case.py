@@ -91,3 +91,35 @@ def run_on_one_and_eight(make, layout="fsdp", types=AxisType.Auto, steps=STEPS):
     if shard is not None:
       assert update._cache_size() == 1  # one compilation for every step
   return results
+
+
+def plain_adamw_step(s: dict, g, x, t: int, lr: float = 1e-2):
+  """Plain AdamW (b1 0.9, b2 0.999, eps 1e-8, no decay) on one leaf at step t ≥ 1 in
+  float64, `s` its moments ("m", "nu"): the references' update of the other leaves."""
+  s["m"] = 0.9 * s.get("m", 0) + 0.1 * g
+  s["nu"] = 0.999 * s.get("nu", 0) + 0.001 * g * g
+  m_hat, v_hat = s["m"] / (1 - 0.9**t), s["nu"] / (1 - 0.999**t)
+  return x - lr * m_hat / (np.sqrt(v_hat) + 1e-8)
+
+
+def train_beside(tx, reference, params, steps: int = STEPS):
+  """`steps` jitted steps of `tx` and of `reference.step` (float64, leaf by leaf) on the
+  same gradients: (the optimizer's params, the reference's), both flat."""
+  ref_params, state, update = flat(params), tx.init(params), jax.jit(tx.update)
+  for step in range(steps):
+    grads = grads_at(step, params)
+    u, state = update(grads, state, params)
+    params = optax.apply_updates(params, u)
+    ref_params = reference.step(ref_params, flat(grads))
+  return flat(params), ref_params
+
+
+def assert_checkpoint_restores(tx, params, state, directory) -> None:
+  """The state saved with `Checkpointer` restores bit for bit into `tx`'s target."""
+  with mo.checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(2, params, state)
+    ckpt.wait()
+    target = mo.checkpoint.abstract_target(tx, params)
+    restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
+  for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

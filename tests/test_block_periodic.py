@@ -16,6 +16,7 @@ from family_case import (
   grads_at,
   make_params,
   mesh_of,
+  plain_adamw_step,
   polar64,
   run_on_one_and_eight,
 )
@@ -68,10 +69,7 @@ def plain_muonbp(params, steps):
           d = BLOCK_SCALE * blockwise(s["m"], BLOCKS)
         p[path] = x - LR * (d + WD * x)
       else:
-        s["m"] = 0.9 * s["m"] + 0.1 * g
-        s["nu"] = 0.999 * s["nu"] + 0.001 * g * g
-        m_hat, v_hat = s["m"] / (1 - 0.9 ** (t + 1)), s["nu"] / (1 - 0.999 ** (t + 1))
-        p[path] = x - 1e-2 * m_hat / (np.sqrt(v_hat) + 1e-8)
+        p[path] = plain_adamw_step(s, g, x, t + 1)
   return p
 
 

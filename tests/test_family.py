@@ -14,14 +14,17 @@ from family_case import (
   LR,
   STEPS,
   WD,
+  assert_checkpoint_restores,
   assert_close_per_leaf,
   flat,
   grads_at,
   make_params,
   matrices,
   mesh_of,
+  plain_adamw_step,
   polar64,
   run_on_one_and_eight,
+  train_beside,
 )
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -73,10 +76,7 @@ class PlainFamily:
         s["v"] = v
         out[path] = p - LR * (np.stack(update).reshape(p.shape) + WD * p)
       else:
-        s["m"] = 0.9 * s["m"] + 0.1 * g
-        s["nu"] = 0.999 * s["nu"] + 0.001 * g * g
-        m_hat, v_hat = s["m"] / (1 - 0.9**self.t), s["nu"] / (1 - 0.999**self.t)
-        out[path] = p - self.adam_lr * m_hat / (np.sqrt(v_hat) + 1e-8)
+        out[path] = plain_adamw_step(s, g, p, self.t, self.adam_lr)
     return out
 
 
@@ -107,14 +107,7 @@ def test_matches_a_plain_implementation_of_the_paper_over_several_steps(name):
   make, direction = FAMILY[name]
   params = make_params()
   tx = make(beta=BETA, nesterov=False, ns=EXACT, weight_decay=WD, adam=mo.AuxAdam(1e-2))
-  ref, ref_params = PlainFamily(direction), flat(params)
-  state, update = tx.init(params), jax.jit(tx.update)
-  for step in range(STEPS):
-    grads = grads_at(step, params)
-    u, state = update(grads, state, params)
-    params = optax.apply_updates(params, u)
-    ref_params = ref.step(ref_params, flat(grads))
-  assert_close_per_leaf(flat(params), ref_params, name)
+  assert_close_per_leaf(*train_beside(tx, PlainFamily(direction), params), name)
 
 
 def test_adaptive_matches_optax_contrib_muon_running_the_same_iteration():
@@ -177,10 +170,4 @@ def test_checkpoint_describe_offload_and_qk_clip(name, tmp_path):
   u, state = step(params, state, params)
   assert step._cache_size() == 1
   assert "attn/query/kernel" in mo.describe(params)
-  with mo.checkpoint.Checkpointer(tmp_path) as ckpt:
-    ckpt.save(2, params, state)
-    ckpt.wait()
-    target = mo.checkpoint.abstract_target(tx, params)
-    restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
-  for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert_checkpoint_restores(tx, params, state, tmp_path)

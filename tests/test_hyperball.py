@@ -10,11 +10,13 @@ from family_case import (
   BETA,
   EXACT,
   STEPS,
+  assert_checkpoint_restores,
   assert_close_per_leaf,
   flat,
   grads_at,
   make_params,
   matrices,
+  plain_adamw_step,
   polar64,
   run_on_one_and_eight,
 )
@@ -44,10 +46,7 @@ def plain_muonh(params, steps):
           new.append(r * moved / np.linalg.norm(moved))
         p[path] = np.stack(new).reshape(x.shape)
       else:
-        s["m"] = 0.9 * s["m"] + 0.1 * g
-        s["nu"] = 0.999 * s["nu"] + 0.001 * g * g
-        m_hat, v_hat = s["m"] / (1 - 0.9**t), s["nu"] / (1 - 0.999**t)
-        p[path] = x - 1e-2 * m_hat / (np.sqrt(v_hat) + 1e-8)
+        p[path] = plain_adamw_step(s, g, x, t)
   return p
 
 
@@ -105,10 +104,4 @@ def test_checkpoint_and_offload(tmp_path):
   for i in range(2):
     u, state = step(grads_at(i, params), state, params)
   assert step._cache_size() == 1
-  with mo.checkpoint.Checkpointer(tmp_path) as ckpt:
-    ckpt.save(2, params, state)
-    ckpt.wait()
-    target = mo.checkpoint.abstract_target(tx, params)
-    restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
-  for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert_checkpoint_restores(tx, params, state, tmp_path)

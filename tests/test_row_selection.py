@@ -14,13 +14,16 @@ from family_case import (
   LR,
   STEPS,
   WD,
+  assert_checkpoint_restores,
   assert_close_per_leaf,
   flat,
   grads_at,
   make_params,
   matrices,
+  plain_adamw_step,
   polar64,
   run_on_one_and_eight,
+  train_beside,
 )
 from jax.sharding import AxisType
 
@@ -78,10 +81,7 @@ class PlainDion2:
         s["b"] = buffers.reshape(p.shape)
         out[path] = p - LR * (d.reshape(p.shape) + WD * p)
       else:
-        s["m"] = 0.9 * s.get("m", 0) + 0.1 * g
-        s["nu"] = 0.999 * s["nu"] + 0.001 * g * g
-        m_hat, v_hat = s["m"] / (1 - 0.9**self.t), s["nu"] / (1 - 0.999**self.t)
-        out[path] = p - 1e-2 * m_hat / (np.sqrt(v_hat) + 1e-8)
+        out[path] = plain_adamw_step(s, g, p, self.t)
     return out
 
 
@@ -97,14 +97,8 @@ def test_matches_a_plain_implementation_of_the_paper_over_several_steps(name, sc
   select, groups = SCOPES[scope]
   tx = ALIASES[name](LR, fraction=select, beta=MU, ns=EXACT, weight_decay=WD,
                      adam=mo.AuxAdam(1e-2))
-  ref, ref_params = PlainDion2(normalized=name == "nordion2", groups=groups), flat(params)
-  state, update = tx.init(params), jax.jit(tx.update)
-  for step in range(STEPS):
-    grads = grads_at(step, params)
-    u, state = update(grads, state, params)
-    params = optax.apply_updates(params, u)
-    ref_params = ref.step(ref_params, flat(grads))
-  assert_close_per_leaf(flat(params), ref_params, name)
+  reference = PlainDion2(normalized=name == "nordion2", groups=groups)
+  assert_close_per_leaf(*train_beside(tx, reference, params), name)
 
 
 def test_only_the_selected_neurons_move_and_the_others_keep_accumulating():
@@ -177,13 +171,7 @@ def test_checkpoint_offload_and_injected_rates(tmp_path):
   step = jax.jit(tx.update)
   for i in range(2):
     u, state = step(grads_at(i, params), state, params)
-  with mo.checkpoint.Checkpointer(tmp_path) as ckpt:
-    ckpt.save(2, params, state)
-    ckpt.wait()
-    target = mo.checkpoint.abstract_target(tx, params)
-    restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
-  for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert_checkpoint_restores(tx, params, state, tmp_path)
 
 
 def test_bad_settings_are_named():
