@@ -22,7 +22,13 @@ from checkpoint_case import (
 )
 
 from muon_optax._util import paths
-from muon_optax.checkpoint import Checkpointer, CorruptCheckpointError, _files, abstract_target
+from muon_optax.checkpoint import (
+  Checkpointer,
+  CorruptCheckpointError,
+  _checksum,
+  _files,
+  abstract_target,
+)
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -171,6 +177,59 @@ def test_a_corrupt_record_names_its_file_and_step(tmp_path, damage):
                        + re.escape(expected)):
       ckpt.metadata()
     with pytest.raises(CorruptCheckpointError, match=re.escape(expected)):
+      ckpt.restore(params_target=target[0], opt_state_target=target[1])
+
+
+def rewrite_in_inventory(step_dir, relative: str, data: bytes) -> None:
+  """Writes `data` to a step's file and records its size and CRC-32 in the inventory, as
+  if the step had been saved so."""
+  (step_dir / relative).write_bytes(data)
+  inventory = step_dir / _files.INVENTORY
+  files = json.loads(inventory.read_text())
+  files["files"][relative] = [len(data), zlib.crc32(data)]
+  inventory.write_text(json.dumps(files))
+
+
+def test_the_checksums_are_committed_with_the_step_and_checked(tmp_path):
+  params, tx = make_params(), make_tx()
+  target = abstract_target(tx, params)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(4, params, tx.init(params))
+    ckpt.wait()
+  sums = tmp_path / "4" / _checksum.FILE
+  assert json.loads(sums.read_text())["params"] == _checksum.checksums(params)
+  assert _checksum.FILE in _files.read_inventory(tmp_path / "4")  # its CRC-32 is checked
+  text = sums.read_bytes()
+  sums.write_bytes(text[:-2] + b"0}")  # same size
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(CorruptCheckpointError, match=re.escape(
+        f"{sums}: its bytes differ from those saved")):
+      ckpt.restore(params_target=target[0], opt_state_target=target[1])
+
+
+def test_checksums_held_in_the_record_are_still_checked(tmp_path):
+  """Checkpoints whose JSON record holds the checksums itself (as saved before they
+  moved to a file of their own) verify as before."""
+  params, tx = make_params(), make_tx()
+  state = tx.init(params)
+  target = abstract_target(tx, params)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(5, params, state, checksums=False)
+    ckpt.wait()
+  record = json.loads((tmp_path / "5" / "meta" / "metadata").read_text())
+  sums = _checksum.checksums_of([params, state])
+  inline = {"algorithm": _checksum.ALGORITHM, "params": sums[0], "opt_state": sums[1]}
+  rewrite_in_inventory(tmp_path / "5", "meta/metadata",
+                       json.dumps({**record, "checksums": inline}).encode())
+  with Checkpointer(tmp_path) as ckpt:
+    assert_equal(ckpt.restore(params_target=target[0], opt_state_target=target[1]).params,
+                 params)
+  leaf = next(iter(sums[0]))
+  inline["params"][leaf] ^= 1
+  rewrite_in_inventory(tmp_path / "5", "meta/metadata",
+                       json.dumps({**record, "checksums": inline}).encode())
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"params leaf {leaf!r}")):
       ckpt.restore(params_target=target[0], opt_state_target=target[1])
 
 

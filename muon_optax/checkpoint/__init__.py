@@ -30,7 +30,9 @@ that step again. One job writes a directory at a time, on a local filesystem.
 Corruption is detected on restore. `save` records a checksum of every array: a
 uint32 sum over elements of a hash of (bits, global position), computed on the devices
 that hold the shards and all-reduced, so it needs no gather and is the same for any
-sharding the checkpoint is restored onto. `restore` recomputes it on the restored
+sharding the checkpoint is restored onto. The devices compute the checksums while the
+arrays are written, and they are committed with the step, in a file of their own whose
+CRC-32 the step's inventory holds. `restore` recomputes them on the restored
 arrays, checks the metadata files' CRC-32s, and raises `CorruptCheckpointError` naming
 the step, each damaged leaf path and the item directory holding it (OCDBT packs many
 arrays into each data file). An array that no longer decodes is reported the same way;

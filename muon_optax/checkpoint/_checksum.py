@@ -13,8 +13,10 @@ benchmarks/checkpoint_io).
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,16 +69,56 @@ def _in_device_memory(x: Any) -> Any:
   return x
 
 
+class Pending(NamedTuple):
+  """Checksums dispatched to the devices and still being computed: the paths of each
+  tree's leaves and their scalar sums, read by `collect`."""
+
+  paths: list[list[str]]
+  sums: list[list[jax.Array]]
+
+
+def dispatch(trees: Sequence[Any]) -> Pending:
+  """Starts the checksums of every leaf of each tree, all dispatched before any is read,
+  so that the devices hash them while the host goes on (with a save, say). Every process
+  of a multi-process job must call it (each sum is all-reduced across the devices that
+  hold the array)."""
+  leaves = [paths.leaves_with_path(tree) for tree in trees]
+  return Pending([[path for path, _ in tree] for tree in leaves],
+                 [[_checksum(_in_device_memory(x)) for _, x in tree] for tree in leaves])
+
+
+def collect(pending: Pending) -> list[dict[str, int]]:
+  """Path -> checksum for each tree of `dispatch`, waiting for the devices."""
+  sums = jax.device_get(pending.sums)
+  return [{path: int(np.asarray(s)) for path, s in zip(tree_paths, tree_sums)}
+          for tree_paths, tree_sums in zip(pending.paths, sums)]
+
+
+def checksums_of(trees: Sequence[Any]) -> list[dict[str, int]]:
+  """`checksums` of each tree (see `dispatch`)."""
+  return collect(dispatch(trees))
+
+
 def checksums(tree: Any) -> dict[str, int]:
   """Path -> checksum of every array leaf of `tree` (a pytree of arrays)."""
   return checksums_of([tree])[0]
 
 
-def checksums_of(trees: Sequence[Any]) -> list[dict[str, int]]:
-  """`checksums` of each tree, all leaves dispatched before any result is read, so the
-  devices hash them while the host queues the next. Every process of a multi-process
-  job must call it (each sum is all-reduced across the devices that hold the array)."""
-  leaves = [paths.leaves_with_path(tree) for tree in trees]
-  sums = jax.device_get([[_checksum(_in_device_memory(x)) for _, x in tree] for tree in leaves])
-  return [{path: int(np.asarray(s)) for (path, _), s in zip(tree, tree_sums)}
-          for tree, tree_sums in zip(leaves, sums)]
+# The checksums of a step, written into it just before it is committed (so the save can
+# return, and the arrays be written, while the devices still compute them).
+FILE = "muon_optax_checksums.json"
+
+
+def write(step_dir: str, trees: Sequence[str], pending: Pending) -> None:
+  """Waits for `pending` and writes its sums, as {tree name: path -> sum}, to `FILE`."""
+  record = {"algorithm": ALGORITHM, **dict(zip(trees, collect(pending)))}
+  with open(os.path.join(step_dir, FILE), "w") as f:
+    json.dump(record, f)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def read(step_dir: str) -> dict:
+  """What `write` wrote to `step_dir` (OSError or ValueError if it cannot be read)."""
+  with open(os.path.join(step_dir, FILE)) as f:
+    return json.load(f)

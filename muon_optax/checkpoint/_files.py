@@ -20,7 +20,7 @@ import re
 import shutil
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple, Optional
 
 INVENTORY = "muon_optax_files.json"  # relative path -> [size, crc32 or None]
@@ -28,6 +28,18 @@ TRASH = ".deleted"  # Orbax's `todelete_subdir`: steps renamed here are emptied 
 # Step-level files Orbax rewrites or adds after the inventory is taken (commit time).
 _LATE = {"_CHECKPOINT_METADATA", "commit_success.txt", INVENTORY}
 _STEP_NAME = re.compile(r"^(0|[1-9]\d*)$")  # Orbax's standard step directory names
+# Final step directory -> what to write into its temporary directory before the commit.
+_BEFORE_COMMIT: dict[str, Callable[[str], None]] = {}
+
+
+def before_commit(step_dir: str, write: Optional[Callable[[str], None]]) -> None:
+  """Has the commit of `step_dir` first call `write(temporary step directory)`, in
+  Orbax's commit thread, so that what it writes is in the inventory and is committed
+  with the step, atomically (None: nothing)."""
+  if write is None:
+    _BEFORE_COMMIT.pop(os.path.realpath(step_dir), None)
+  else:
+    _BEFORE_COMMIT[os.path.realpath(step_dir)] = write
 
 
 def _data_file(relative: str) -> bool:
@@ -161,6 +173,9 @@ def temporary_path_class():
 
     async def finalize(self):
       if _STEP_NAME.match(self.get_final().name):
+        write = _BEFORE_COMMIT.pop(os.path.realpath(os.fspath(self.get_final())), None)
+        if write is not None:
+          await asyncio.to_thread(write, os.fspath(self.get()))
         await asyncio.to_thread(write_inventory, os.fspath(self.get()))
       await super().finalize()
 

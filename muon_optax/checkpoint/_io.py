@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, NamedTuple, Optional
@@ -185,14 +186,20 @@ class Checkpointer:
       json.dumps(record)
     except TypeError as e:
       raise ValueError(f"checkpoint metadata must be JSON-serializable: {e}") from None
-    if checksums:
-      sums = _checksum.checksums_of([params, opt_state])
-      record["checksums"] = {"algorithm": _checksum.ALGORITHM, "params": sums[0],
-                             "opt_state": sums[1]}
     self._settle()
-    self._manager.save(int(step), args=ocp.args.Composite(
+    if checksums:
+      # Hashed on the devices while Orbax writes; the sums go into the step just before
+      # its commit (where the inventory records their file's CRC-32).
+      pending = _checksum.dispatch([params, opt_state])
+      record["checksums"] = {"algorithm": _checksum.ALGORITHM, "file": _checksum.FILE}
+      if self._primary:
+        _files.before_commit(self._step_dir(step), functools.partial(
+            _checksum.write, trees=("params", "opt_state"), pending=pending))
+    saved = self._manager.save(int(step), args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
         meta=ocp.args.JsonSave(record)))
+    if not saved:  # Orbax declined the step: nothing will be committed
+      _files.before_commit(self._step_dir(step), None)
     if not self._async:
       self._settle()
 
@@ -257,7 +264,6 @@ class Checkpointer:
         read from it differs from what was saved; the message names the step, each
         differing leaf path or file, and the directory holding the arrays.
     """
-    ocp = _ocp()
     step = self._step(step)
     self._check_files(step, contents=verify)
     saved = self.metadata(step)
@@ -271,8 +277,16 @@ class Checkpointer:
       # The AdamW backends share one (count, mu, nu) layout, so a state saved under one
       # reads straight into another's target.
       _record.check_fits(saved, self.record(params_t, trees["opt_state"]), where)
+    restored = self._read(step, trees, saved)
+    if verify and "checksums" in saved:
+      self._verify(step, saved["checksums"], restored)
+    return Restored(step, restored["params"], restored.get("opt_state"), saved.get("user", {}))
+
+  def _read(self, step: int, trees: dict, saved: dict) -> dict:
+    """The trees of checkpoint `step`, each read into its target."""
+    ocp = _ocp()
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
+      return self._manager.restore(step, args=ocp.args.Composite(
           **{tree: ocp.args.StandardRestore(target) for tree, target in trees.items()}))
     except Exception as e:  # a data file that no longer decodes; anything else as it is
       failure = _files.read_failure(e)
@@ -282,16 +296,20 @@ class Checkpointer:
       raise CorruptCheckpointError(
           f"checkpoint step {step} in {self.directory} is corrupted: {tree} leaf {path!r} "
           f"could not be read from {failure.store} ({failure.message})") from e
-    if verify and "checksums" in saved:
-      self._verify(step, saved["checksums"], restored)
-    return Restored(step, restored["params"], restored.get("opt_state"), saved.get("user", {}))
 
-  def _verify(self, step: int, saved: dict, restored: Any) -> None:
+  def _verify(self, step: int, saved: dict, restored: dict) -> None:
     """A CorruptCheckpointError listing the restored arrays whose checksum differs."""
     if saved.get("algorithm") != _checksum.ALGORITHM:
       raise ValueError(f"checkpoint step {step} in {self.directory} has checksums of kind "
                        f"{saved.get('algorithm')!r}; restore with verify=False, or upgrade "
                        "muon_optax to check them.")
+    if "file" in saved:
+      try:
+        saved = _checksum.read(self._step_dir(step))
+      except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"checkpoint step {step} in {self.directory} is corrupted: its checksums "
+            f"cannot be read ({e})") from None
     trees = [t for t in ("params", "opt_state") if t in restored]
     computed = dict(zip(trees, _checksum.checksums_of([restored[t] for t in trees])))
     lines = _record.checksum_differences({t: saved[t] for t in trees}, computed)
