@@ -44,3 +44,10 @@ def float32_bound(ns="turbo"):
   """
   coeffs = np.asarray(as_newton_schulz(ns).coefficients())
   return len(coeffs) * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))
+
+
+def compiled_flops(fn, *args) -> float:
+  """XLA's cost-analysis flops of `fn` compiled for `args` (deterministic)."""
+  analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+  return analysis["flops"]

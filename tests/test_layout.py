@@ -53,3 +53,29 @@ def test_every_module_sits_in_a_known_room_or_on_top():
   rooms = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.glob("*")
            if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
   assert rooms <= top | set(ALLOWED), rooms - top - set(ALLOWED)
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+# Modules whose tests are named for what they do rather than for the file.
+TESTED_AS = {
+    "_adamw/backends": "test_adamw", "_newton_schulz/iteration": "test_newton_schulz",
+    "_routing/value": "test_routing", "_routing/trace": "test_trace_routing",
+    "_routing/describe": "test_routing", "checkpoint/_io": "test_checkpoint",
+    "checkpoint/_checksum": "test_checkpoint_record", "checkpoint/_record": "test_checkpoint_record",
+    "checkpoint/_files": "test_checkpoint_integrity", "_alias": "test_family",
+}
+UNTESTED = {"_version", "_util/types"}  # a version string and type aliases: nothing runs
+
+
+def test_every_module_has_a_test_file_of_its_own():
+  missing = []
+  for path in sorted(PACKAGE.rglob("*.py")):
+    module = str(path.relative_to(PACKAGE).with_suffix(""))
+    if path.stem == "__init__" or module in UNTESTED:
+      continue
+    room, _, name = module.rpartition("/")
+    name, room = name.lstrip("_"), room.lstrip("_")
+    candidates = {TESTED_AS.get(module), f"test_{name}", f"test_{room}_{name}"}
+    if not any(c and (TESTS / f"{c}.py").exists() for c in candidates):
+      missing.append(module)
+  assert not missing, f"modules without tests/test_<module>.py: {missing}"

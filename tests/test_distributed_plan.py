@@ -1,0 +1,92 @@
+"""The distributed Newton–Schulz plan on its own: no mesh, no compile (the exchange that
+runs it is tested on 8 devices in test_distributed.py and for TPU in test_tpu_compile.py)."""
+
+
+import pytest
+
+import muon_optax as mo
+from muon_optax._distributed.plan import (
+  SPLIT_TOLERANCE,
+  per_device_flops,
+  plan_rounds,
+  rows_split,
+  split_flops,
+)
+from muon_optax._newton_schulz.plan import newton_schulz_flops
+
+NS = mo.NewtonSchulz()
+
+
+def covers_every_matrix_once(shapes, rounds):
+  """Each matrix appears in exactly `split` slots of rounds of its own shape."""
+  seen = {}
+  for r in rounds:
+    for item in r.slots:
+      if item is not None:
+        assert shapes[item[0]][1:] == (r.rows, r.cols), (item, r)
+        seen[item] = seen.get(item, 0) + 1
+        assert seen[item] <= r.split
+  assert set(seen) == {(i, j) for i, (c, _, _) in enumerate(shapes) for j in range(c)}
+
+
+def ideal(shapes, devices):
+  return sum(c * newton_schulz_flops(m, n, NS) for c, m, n in shapes) / devices
+
+
+def test_shapes_never_share_a_round_and_every_matrix_runs_once():
+  shapes = [(5, 32, 128), (3, 64, 64), (1, 24, 40), (9, 16, 48)]
+  rounds = plan_rounds(shapes, 8)
+  covers_every_matrix_once(shapes, rounds)
+
+
+def test_full_rounds_stay_whole_and_the_rest_is_split_to_fill_the_devices():
+  # 12 matrices on 8 devices: one round of whole matrices, the 4 left split by pairs.
+  rounds = plan_rounds([(12, 64, 256)], 8, flops_per_byte=0)
+  assert [r.split for r in rounds] == [1, 2]
+  assert all(None not in r.slots for r in rounds)
+  flops = per_device_flops([(12, 64, 256)], 8, flops_per_byte=0)
+  assert flops == pytest.approx(ideal([(12, 64, 256)], 8), rel=1e-6)
+
+
+def test_a_split_whose_traffic_costs_more_than_it_saves_stays_whole():
+  # 64 rows: three 64×64 transfers a step cost more, at an accelerator's flops per
+  # byte, than half of one small matrix's flops; 4096 rows do not.
+  assert all(r.split == 1 for r in plan_rounds([(12, 64, 256)], 8))
+  rounds = plan_rounds([(12, 4096, 14336)], 8)
+  assert [r.split for r in rounds] == [1, 2]
+
+
+def test_a_plan_within_tolerance_splits_nothing():
+  # 4 leftovers of a small shape next to 16 big ones: whole, the plan is within 5%.
+  shapes = [(16, 256, 1024), (4, 16, 16)]
+  rounds = plan_rounds(shapes, 8)
+  assert all(r.split == 1 for r in rounds)
+  assert per_device_flops(shapes, 8) <= SPLIT_TOLERANCE * ideal(shapes, 8)
+
+
+def test_split_work_is_an_even_share_when_rows_split_too():
+  assert rows_split(64, 4) and not rows_split(40, 16) and not rows_split(64, 1)
+  whole = newton_schulz_flops(64, 256, NS)
+  assert split_flops(64, 256, 4, NS) == whole // 4
+  # Rows that do not divide: the m×m products repeat on each device of the group.
+  assert split_flops(40, 256, 16, NS) > whole // 16
+
+
+def test_splits_respect_what_the_layout_allows():
+  # A block of 2 columns cannot be cut into 4 column parts: the plan does not ask it.
+  ok = lambda item, g: g <= 2
+  rounds = plan_rounds([(2, 64, 256)], 8, split_ok=ok, flops_per_byte=0)
+  assert max(r.split for r in rounds) <= 2
+  covers_every_matrix_once([(2, 64, 256)], rounds)
+
+
+@pytest.mark.parametrize("devices", [64, 256])
+def test_llama_8b_shapes_within_the_ideal_flops(devices):
+  # q/o 4096², k/v 4096×1024, gate/up/down 4096×14336 (wide), 32 layers; the state
+  # splits columns in blocks of cols / devices, which bounds the column parts.
+  shapes = [(64, 4096, 4096), (64, 1024, 4096), (96, 4096, 14336)]
+  width = [n // devices for _, _, n in shapes]
+  fits = lambda item, g: width[item[0]] % g == 0
+  flops = per_device_flops(shapes, devices, NS, split_ok=fits, flops_per_byte=0)
+  assert flops <= 1.10 * ideal(shapes, devices)
+

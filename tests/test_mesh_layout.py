@@ -1,0 +1,20 @@
+"""`MeshLayout`: the mesh an optimizer runs on, checked when it is built."""
+
+import jax
+import pytest
+
+import muon_optax as mo
+
+
+def test_mesh_layout_is_checked_when_built():
+  mesh = jax.make_mesh((8,), ("data",))
+  assert mo.MeshLayout(mesh).data_axis == ("data",)
+  other = jax.make_mesh((4, 2), ("x", "y"))
+  assert mo.MeshLayout(other).data_axis == ("x", "y")  # no "data" axis: all of them
+  with pytest.raises(ValueError, match=r"MeshLayout\(params='zero1'\): choose one of"):
+    mo.MeshLayout(mesh, params="zero1")
+  with pytest.raises(ValueError, match="data axis 'batch' is not an axis"):
+    mo.MeshLayout(mesh, data_axis="batch")
+  with pytest.raises(ValueError, match="mesh= takes a jax.sharding.Mesh or a muon_optax.MeshLayout"):
+    mo.muon(0.02, mesh="data")
+

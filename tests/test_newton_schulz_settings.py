@@ -1,0 +1,62 @@
+"""`NewtonSchulz`: one validated, comparable value for the iteration's settings, and the
+coefficient table it resolves to."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import muon_optax as mo
+
+NS = mo.NewtonSchulz
+
+
+def test_custom_schedule_repeats_last_row_and_never_wraps():
+  rows = np.array([[3.0, -3.2, 1.2], [2.0, -1.5, 0.5]])
+  x = jax.random.normal(jax.random.key(6), (8, 16))
+  explicit = np.array([[3.0, -3.2, 1.2], [2.0, -1.5, 0.5], [2.0, -1.5, 0.5], [2.0, -1.5, 0.5]])
+  np.testing.assert_allclose(mo.newton_schulz(x, NS(rows, steps=4)),
+                             mo.newton_schulz(x, NS(explicit, steps=4)), atol=0)
+  # The last polar express row is used for every step past the table.
+  table = NS("polar_express", steps=12).coefficients()
+  np.testing.assert_allclose(table[8:], [[1.875, -1.25, 0.375]] * 4)
+  assert not np.allclose(table[8], table[0])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("newton", "unknown Newton–Schulz preset"),
+    (np.ones((2, 2)), r"shape \(n, 3\)"),
+    (np.ones((0, 3)), r"shape \(n, 3\)"),
+    (np.array([[1.0, np.nan, 0.0]]), "finite"),
+    ("not a schedule", "unknown"),
+])
+def test_malformed_schedule_is_a_clear_error(bad, match):
+  with pytest.raises(ValueError, match=match):
+    mo.NewtonSchulz(bad)
+  with pytest.raises(ValueError, match=match):
+    mo.newton_schulz(jnp.ones((4, 4)), bad)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(steps=0), "steps must be a positive Python int"),
+    (dict(steps=2.5), "steps must be a positive Python int"),
+    (dict(steps=True), "steps must be a positive Python int"),
+    (dict(gram="yes"), "gram must be True, False or None"),
+    (dict(precondition="spectral"), "precondition must be one of"),
+    (dict(compute_dtype=jnp.int8), "compute_dtype must be 'auto' or a floating dtype"),
+    (dict(compute_dtype="fast"), "compute_dtype must be 'auto' or a floating dtype"),
+    (dict(precision="bogus"), "precision must be 'auto'"),
+    (dict(fn="svd"), "fn must be a function"),
+    (dict(fn=lambda x: x, steps=3), r"fn replaces the built-in iteration, so \['steps'\]"),
+])
+def test_every_setting_is_checked_when_built(settings, match):
+  with pytest.raises(ValueError, match=match):
+    mo.NewtonSchulz(**settings)
+
+
+def test_settings_are_one_comparable_value():
+  assert NS("jordan", steps=5) == NS("jordan", steps=np.int64(5))
+  assert NS(np.asarray(mo.PRESETS["jordan"].table)) == NS([[3.4445, -4.7750, 2.0315]])
+  assert NS(compute_dtype="float32") == NS(compute_dtype=jnp.float32)
+  assert hash(NS("turbo")) == hash(NS())
+
