@@ -105,3 +105,17 @@ def test_split_matrices_compile_for_tpu(chips):
   tx = mo.muon(0.02, mesh=mo.MeshLayout(mesh, flops_per_byte=0))  # split, whatever it costs
   stats = collective_stats(compile_update(tx, params, mesh, "fsdp").as_text())
   assert stats["all-reduce"][0] >= 1, stats
+
+
+def test_an_owned_expert_stack_compiles_for_tpu_and_moves_nothing(chips):
+  # Experts sharded on their stack axis lie whole on their chips: orthogonalized there.
+  mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Explicit,))
+  s = jax.ShapeDtypeStruct((8, 128, 512), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  params = {"moe": {"kernel": s}}
+  tx = mo.muon(0.02, mesh=mesh)
+  shardings = mo.state_shardings(tx, params, mesh)
+  state = jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
+                       jax.eval_shape(tx.init, params), shardings)
+  step = jax.jit(tx.update, out_shardings=({"moe": {"kernel": s.sharding}}, shardings))
+  stats = collective_stats(step.lower(params, state, params).compile().as_text())
+  assert all(n == 0 for n, _ in stats.values()), stats

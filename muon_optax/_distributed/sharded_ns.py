@@ -447,10 +447,48 @@ def _blocks_out(rounds, results, fmesh: FactorMesh, dtype):
   return back
 
 
+def owned(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
+  """Whether each device already holds whole matrices of a (count, rows, cols) stack: its
+  count axis split over mesh axes (a scanned stack or MoE experts sharded on their stack
+  axis), its matrix axes whole."""
+  entries = list(spec) + [None] * 3
+  axes = spec_axes(entries[0])
+  return (bool(axes) and not spec_axes(entries[1]) and not spec_axes(entries[2])
+          and all(a in mesh.shape for a in axes)
+          and shape[0] % math.prod(mesh.shape[a] for a in axes) == 0)
+
+
+def _in_place(ns_fn, fmesh: FactorMesh, x, spec: P, out_spec: Optional[P]):
+  """An owned stack orthogonalized where it lies, with no exchange; all-gathered if it is
+  wanted replicated (`out_spec` None), else laid out as `out_spec`."""
+  spec = fmesh.spec(P(*(list(spec) + [None] * 3)[:3]))
+  axes = spec_axes(spec[0])
+  gather = out_spec is None
+  body = (lambda b: jax.lax.all_gather(ns_fn(b), axes, axis=0, tiled=True)) if gather else ns_fn
+  fn = jax.shard_map(body, mesh=fmesh.mesh, in_specs=(spec,),
+                     out_specs=P() if gather else spec, check_vma=False)
+  with jax.sharding.use_abstract_mesh(fmesh.mesh.abstract_mesh):
+    y = fn(x)
+  if not gather and fmesh.spec(out_spec) != spec:
+    y = jax.lax.with_sharding_constraint(y, NamedSharding(fmesh.mesh, fmesh.spec(out_spec)))
+  return y
+
+
 def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
   """The exchange of `stacks` (lying in `specs`, over the layout's mesh) as a shard_map
-  over the factor mesh, its results laid out in `out_specs` (or replicated)."""
+  over the factor mesh, its results laid out in `out_specs` (or replicated). Owned stacks
+  stay where they are."""
   fmesh = FactorMesh.of(layout.mesh)
+  mine = [owned(spec, tuple(x.shape), layout.mesh) for x, spec in zip(stacks, specs)]
+  if any(mine):
+    wanted = out_specs or [None] * len(stacks)
+    rest = [k for k, m in enumerate(mine) if not m]
+    moved = iter(_exchanged(ns_fn, split_fn, layout, cost, [stacks[k] for k in rest],
+                            [specs[k] for k in rest],
+                            None if out_specs is None else [out_specs[k] for k in rest])
+                 if rest else [])
+    return [_in_place(ns_fn, fmesh, x, spec, out) if m else next(moved)
+            for x, spec, out, m in zip(stacks, specs, wanted, mine)]
   shapes = [tuple(s.shape) for s in stacks]
   ins = [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
          for spec, shape in zip(specs, shapes)]
