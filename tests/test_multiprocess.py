@@ -1,4 +1,4 @@
-"""The same Muon code under jax.distributed: 2 processes × 4 CPU devices vs one device."""
+"""The same Muon code under jax.distributed: 2 processes × 4 CPU devices vs one device, on\nAuto axes with replicated params and on Explicit axes with FSDP-split ones."""
 
 import os
 import socket
@@ -35,12 +35,13 @@ def single_device_run():
   return {path: np.asarray(x) for path, x in paths.leaves_with_path(params)}
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("layout", ["auto-replicated", "explicit-fsdp"])
+def test_two_processes_match_one(tmp_path, layout):
   port, out = free_port(), tmp_path / "params.npz"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
   procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_worker.py"), str(port),
-                             str(i), str(out)], env=env, stdout=subprocess.PIPE,
+                             str(i), str(out), layout], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
   try:
     logs = [p.communicate(timeout=240)[0] for p in procs]
