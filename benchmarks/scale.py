@@ -20,7 +20,8 @@ offline: needs libtpu, the `tpu` extra), one process per device count, and reads
 
 Layouts: `fsdp` (params split by `mo.fsdp_shardings`), `zero1` (replicated params),
 `2d` (a data × fsdp mesh with `data_axis=("data", "fsdp")`). Arms: muon_optax, and
-optax.contrib.muon (same routing) and optax.adamw where asked. Rows go to `--out` as
+optax.contrib.muon (same routing) and optax.adamw where asked; "muon_optax flops alone"
+is muon_optax with `MeshLayout(flops_per_byte=0)`, whose splits ignore their traffic. Rows go to `--out` as
 JSON lines as they are measured; a row already there is not measured again, so a long
 sweep resumes where it stopped. `--plan-only` prints the planner's own per-device flops
 over the ideal up to any device count, for the CPU and the GPU defaults, without
@@ -61,6 +62,9 @@ ARMS = ("muon_optax", "optax.contrib.muon", "optax.adamw")
 # The frontier's cheaper steps, measured where asked (--arms): NorDion2 choosing its
 # quarter of the neurons per shard, and each kind of MuonBP step (period 4).
 FRONTIER_ARMS = ("nordion2 per shard", "muonbp block step", "muonbp full step")
+# muon_optax with MeshLayout(flops_per_byte=0): splits balance flops alone, whatever
+# traffic they cost.
+FLOPS_ALONE = "muon_optax flops alone"
 
 
 def model_tree(model: str, layers: Optional[int] = None) -> dict:
@@ -131,6 +135,8 @@ def _optimizer(arm: str, mesh, layout: str, data_axis, exchanges: Optional[int] 
         lambda label: dims if label == "muon" else None, mo.label_params(p)))
   params = "replicated" if layout == "zero1" else "sharded"
   extra = {} if exchanges is None else {"exchanges": exchanges}
+  if arm == FLOPS_ALONE:
+    extra["flops_per_byte"] = 0
   placed = mo.MeshLayout(mesh, params=params, data_axis=data_axis, **extra)
   adam = mo.AuxAdam(backend="optax")
   if arm == "nordion2 per shard":
@@ -272,7 +278,7 @@ def markdown_table(rows: list[dict]) -> str:
          "|---|---|---|--:|---|---|--:|--:|--:|--:|--:|"]
   order = {m: k for k, m in enumerate(MODELS)}
   rows = sorted(rows, key=lambda r: (order[r["model"]], r["layout"], r["platform"], r["devices"],
-                                     (ARMS + FRONTIER_ARMS).index(r["arm"]),
+                                     (ARMS + FRONTIER_ARMS + (FLOPS_ALONE,)).index(r["arm"]),
                                      r.get("exchanges") or 0))
   for r in rows:
     if "error" in r:
@@ -313,7 +319,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])
   p.add_argument("--devices", type=int, nargs="+", default=[8, 64, 256])
   p.add_argument("--layouts", nargs="+", choices=["fsdp", "zero1", "2d"], default=["fsdp", "zero1"])
-  p.add_argument("--arms", nargs="+", choices=ARMS + FRONTIER_ARMS, default=list(ARMS))
+  p.add_argument("--arms", nargs="+", choices=ARMS + FRONTIER_ARMS + (FLOPS_ALONE,),
+                 default=list(ARMS))
   p.add_argument("--platform", choices=["cpu", "tpu"], default="cpu")
   p.add_argument("--layers", type=int, default=None, help="fewer layers than the model has")
   p.add_argument("--exchanges", type=int, default=None,

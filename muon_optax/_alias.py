@@ -99,7 +99,9 @@ def scale_by_muon(
                          mesh=mesh),
              *([normalize.transform(routing)] if normalize is not None else []),
              scale_by_shape(scale, routing=routing)]
-    return _gathered(optax.chain(*parts), mesh, normalize is not None)
+    # Chosen per shard, the updates come back as the state lies: gathered in one go.
+    return _gathered(optax.chain(*parts), mesh,
+                     normalize is not None or select.scope == "shard")
   nesterov = True if nesterov is None else nesterov
   if blocks is None:
     orthogonal = orthogonalize(ns, routing=routing, mesh=mesh)

@@ -43,14 +43,15 @@ def _from_wide(stack: jax.Array, wide: _Wide, shape: tuple[int, ...]) -> jax.Arr
 
 # Orthogonalizes the wide (count, rows, cols) stacks of a list of leaves, returning the
 # results in order; `likes` are the params' leaves, whose layout the results should take.
-Solver = Callable[[list[_Wide], list[jax.Array], Optional[list[Any]]], list[jax.Array]]
+# On a mesh, `specs=` (keyword) says where the stacks lie instead, and the results go there.
+Solver = Callable[..., list[jax.Array]]
 
 
 def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array]) -> Solver:
   """One `ns_fn` call per (rows, cols, dtype) group: same-shape matrices are
   concatenated into a single batch, which equals orthogonalizing them one by one."""
 
-  def solve(wides, leaves=None, likes=None):
+  def solve(wides, leaves=None, likes=None, specs=None):
     stacks = [w.stack for w in wides]
     groups = {}
     for i, s in enumerate(stacks):
@@ -82,7 +83,9 @@ def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solv
       return P()
     return stack_spec(spec, (view.batch, view.fan_in, view.fan_out), wide.transposed)
 
-  def solve(wides, leaves, likes=None):
+  def solve(wides, leaves, likes=None, specs=None):
+    if specs is not None:
+      return solve_stacks([w.stack for w in wides], specs, specs)
     specs = [spec_of(leaf, w) for leaf, w in zip(leaves, wides)]
     if layout.explicit and likes is not None:
       out = [spec_of(like, w) for like, w in zip(likes, wides)]

@@ -12,11 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
-from muon_optax._distributed.layouts import divided_axis
+from muon_optax._distributed.layouts import (
+  data_spec,
+  divided_axis,
+  explicit_spec,
+  spec_axes,
+  stack_spec,
+)
 from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import _Wide, solver_for
@@ -160,6 +166,11 @@ def select_rows(
     if groups is None:
       raise ValueError("RowSelection(scope='shard', devices=None) takes its groups from a "
                        "mesh: pass mesh=, or devices= the number of shards.")
+    # The choice runs where the groups lie when they are the mesh's data shards.
+    data_size = None if layout is None else math.prod(layout.mesh.shape[a]
+                                                      for a in layout.data_axis)
+    choice_layout = layout if groups == data_size else None
+    data = () if choice_layout is None else layout.data_axis
 
   def init_fn(params):
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
@@ -182,11 +193,10 @@ def select_rows(
     else:
       # Groups where the devices split the leading fan-out axis (each holds whole neurons);
       # elsewhere one, whose selection needs only the norms gathered, not the matrix.
-      shapes = [flat[i][1].shape for i in live]
-      counts = [groups if divided_axis(shape, groups) == leaf_views[i].normalize(len(shape)
-                                                                          ).fan_out[0] else 1
-                for i, shape in zip(live, shapes)]
-      results = _per_shard(stacks, counts, select, solver, layout, groups)
+      kinds = [_stack_groups(flat[i][1].shape, leaf_views[i], _group_count(
+          flat[i][1].shape, leaf_views[i], groups), _state_spec(buffers[i], choice_layout), data)
+               for i in live]
+      results = _per_shard(stacks, kinds, select, solver, choice_layout)
     out, new_buffers = [g for _, g in flat], list(buffers)
     for i, result in zip(live, results):
       view, g = leaf_views[i], flat[i][1]
@@ -197,6 +207,20 @@ def select_rows(
     return treedef.unflatten(out), RowSelectionState(treedef.unflatten(new_buffers))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _group_count(shape, view: MatrixView, devices: int) -> int:
+  """`devices` where they split the leaf's leading fan-out axis (each holds whole neurons:
+  the data axes go there, see `state_shardings`), else 1."""
+  return devices if divided_axis(shape, devices) == view.normalize(len(shape)).fan_out[0] else 1
+
+
+def _state_spec(x, layout: Optional[MeshLayout]) -> P:
+  """The layout of a state leaf: its type's on an Explicit mesh, else `state_shardings`'s."""
+  if layout is None:
+    return P()
+  spec = explicit_spec(x)
+  return data_spec(tuple(x.shape), layout.mesh, layout.data_axis) if spec is None else spec
 
 
 def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) -> jax.Array:
@@ -210,49 +234,121 @@ def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) 
   return _scatter(orthogonal.astype(stack.dtype), index, stack.shape[-1])
 
 
-def _on_shards(fn, layout: Optional[MeshLayout], groups: int, devices: int):
-  """`fn` of arrays whose leading axis holds `groups` equal blocks, run where the blocks
-  lie: in a shard_map over the data axes when the groups are the devices' shards (an
-  Auto mesh), so that the partitioner adds no collective; else as it is."""
-  if layout is None or layout.explicit or groups != devices or groups == 1:
+class _Groups(NamedTuple):
+  """How one (count, fan_in, fan_out) stack is chosen from: in `n` contiguous groups of its
+  fan-out (n = 1: the whole fan-out), laid out on the mesh as `spec` (P() without one):
+  with n > 1 the fan-out split over the data axes, one group per device; with n = 1 at
+  most the count and the fan-in split, whose partial neuron norms are summed."""
+
+  n: int
+  spec: P
+
+
+def _stack_groups(shape, view: MatrixView, n: int, state_spec: P, data: tuple) -> _Groups:
+  """The `_Groups` of a leaf of `shape` whose state lies as `state_spec`."""
+  if not data:  # no mesh: nothing is laid out
+    return _Groups(n, P())
+  if n > 1:
+    return _Groups(n, P(None, None, data[0] if len(data) == 1 else data))
+  view = view.normalize(len(shape))
+  spec = stack_spec(state_spec, (view.batch, view.fan_in, view.fan_out), False)
+  return _Groups(1, P(*(list(spec) + [None] * 3)[:2], None))
+
+
+def _on_mesh(fn, layout: Optional[MeshLayout], in_specs, out_specs):
+  """`fn` run on each device's blocks (a shard_map over the mesh in these layouts), or on
+  the whole arrays without a mesh."""
+  if layout is None:
     return fn
-  spec = P(layout.data_axis)
+  mesh = layout.mesh
+  body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-  def local(*args):
-    body = jax.shard_map(fn, mesh=layout.mesh, in_specs=tuple(spec for _ in args),
-                         out_specs=spec, check_vma=False)
-    with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
+  def run(*args):
+    if layout.explicit:  # shard_map takes typed arguments in its own layouts
+      args = jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)),
+                          args, in_specs)
       return body(*args)
-  return local
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return body(*args)
+  return run
 
 
-def _per_shard(stacks: list[jax.Array], groups: list[int], select: RowSelection,
-               solver, layout: Optional[MeshLayout], devices: int) -> list:
-  """Each (count, fan_in, fan_out) stack orthogonalized on the top neurons of each of its
-  `groups` contiguous groups of its fan-out; only those chosen go to `solver`."""
-  compact, picks = [], []
-  for m, n in zip(stacks, groups):
-    count, fan_in, fan_out = m.shape
-    group = fan_out // n
-    # Groups first, so that a group axis split over devices stays where it lies.
-    grouped = jnp.moveaxis(m.reshape(count, fan_in, n, group), 2, 0).reshape(n * count, fan_in, group)
-    index, chosen = _on_shards(lambda x: _select(x, select.count(group)), layout, n,
-                               devices)(grouped)
-    k = index.shape[-1]
-    chosen = jnp.moveaxis(chosen.reshape(n, count, fan_in, k), 0, 2).reshape(count, fan_in, n * k)
-    compact.append(chosen)
-    picks.append((index, n, group, k))
-  wides = [_wide(c) for c in compact]
-  results = solver(wides, [w.stack for w in wides], None)
+def _grouped(m: jax.Array, n: int) -> jax.Array:
+  """(count, fan_in, n·g) -> (n·count, fan_in, g): the fan-out's groups as matrices."""
+  count, fan_in, fan_out = m.shape
+  return jnp.moveaxis(m.reshape(count, fan_in, n, fan_out // n), 2, 0).reshape(
+      n * count, fan_in, fan_out // n)
+
+
+def _ungrouped(x: jax.Array, n: int) -> jax.Array:
+  """The inverse of `_grouped`."""
+  count, fan_in, g = x.shape[0] // n, x.shape[1], x.shape[2]
+  return jnp.moveaxis(x.reshape(n, count, fan_in, g), 0, 2).reshape(count, fan_in, n * g)
+
+
+def _choose(blocks: list, groups: list[_Groups], counts: list[int], on_mesh: bool):
+  """Each stack's chosen neurons: (indices, chosen submatrices) from its block (the whole
+  stack without a mesh). The partial norms of every stack whose fan-in is split are summed
+  in one all-reduce per set of axes, not one per stack."""
+  norms = {}
+  for i, (b, grp) in enumerate(zip(blocks, groups)):
+    if grp.n == 1:
+      norms[i] = jnp.sum(jnp.abs(b.astype(jnp.promote_types(b.dtype, jnp.float32))), axis=1)
+  by_axes: dict[tuple, list[int]] = {}
+  for i in norms:
+    axes = spec_axes((list(groups[i].spec) + [None] * 2)[1]) if on_mesh else ()
+    if axes:
+      by_axes.setdefault(axes, []).append(i)
+  for axes, members in by_axes.items():
+    packed = jax.lax.psum(jnp.concatenate([norms[i].reshape(-1) for i in members]), axes)
+    offsets = np.cumsum([0] + [norms[i].size for i in members])
+    for i, a, b in zip(members, offsets[:-1], offsets[1:]):
+      norms[i] = packed[a:b].reshape(norms[i].shape)
   out = []
-  for m, wide, result, (index, n, group, k) in zip(stacks, wides, results, picks):
-    count, fan_in, fan_out = m.shape
-    o = jnp.swapaxes(result, -1, -2) if wide.transposed else result
-    o = jnp.moveaxis(o.reshape(count, fan_in, n, k), 2, 0).reshape(n * count, fan_in, k)
-    scatter = _on_shards(lambda o, index: _scatter(o, index, group), layout, n, devices)
-    full = scatter(o.astype(m.dtype), index).reshape(n, count, fan_in, group)
-    out.append(jnp.moveaxis(full, 0, 2).reshape(count, fan_in, fan_out))
+  for i, (b, grp, k) in enumerate(zip(blocks, groups, counts)):
+    if grp.n == 1:
+      _, index = jax.lax.top_k(norms[i], k)
+      out.append((index, jnp.take_along_axis(b, index[:, None, :], axis=2)))
+    elif on_mesh:  # this device's block is its group
+      out.append(_select(b, k))
+    else:
+      index, chosen = _select(_grouped(b, grp.n), k)
+      out.append((index, _ungrouped(chosen, grp.n)))
   return out
+
+
+def _per_shard(stacks: list[jax.Array], groups: list[_Groups], select: RowSelection,
+               solver, layout: Optional[MeshLayout]) -> list:
+  """Each (count, fan_in, fan_out) stack orthogonalized on the top neurons of each of its
+  groups; only those chosen go to `solver`. On a mesh the choice is made where the
+  neurons lie, all stacks in one shard_map, and the chosen stay in those layouts."""
+  counts = [select.count(m.shape[2] // grp.n) for m, grp in zip(stacks, groups)]
+  specs = [grp.spec for grp in groups]
+  entries = [list(grp.spec) + [None] * (3 - len(grp.spec)) for grp in groups]
+  index_specs = [P(e[0], e[2]) for e in entries]
+  choose = _on_mesh(lambda *blocks: tuple(zip(*_choose(list(blocks), groups, counts,
+                                                       layout is not None))),
+                    layout, tuple(specs), (tuple(index_specs), tuple(specs)))
+  indices, compact = choose(*stacks)
+  wides = [_wide(c) for c in compact]
+  wide_specs = [P(e[0], e[2], e[1]) if w.transposed else P(*e) for w, e in zip(wides, entries)]
+  results = solver(wides, [w.stack for w in wides], None,
+                   specs=wide_specs if layout is not None else None)
+  results = [jnp.swapaxes(r, -1, -2) if w.transposed else r for w, r in zip(wides, results)]
+
+  def scatter(*args):
+    chosen, index = args[:len(stacks)], args[len(stacks):]
+    out = []
+    for o, where, m, grp in zip(chosen, index, stacks, groups):
+      fan_out = m.shape[2] // grp.n
+      if grp.n > 1 and layout is None:
+        out.append(_ungrouped(_scatter(_grouped(o, grp.n), where, fan_out), grp.n))
+      else:
+        out.append(_scatter(o, where, fan_out if grp.n > 1 else m.shape[2]))
+    return tuple(out)
+  full = _on_mesh(scatter, layout, (*specs, *index_specs), tuple(specs))(
+      *[r.astype(m.dtype) for r, m in zip(results, stacks)], *indices)
+  return list(full)
 
 
 def _wide(chosen: jax.Array) -> _Wide:

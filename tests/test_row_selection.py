@@ -146,15 +146,21 @@ def test_newton_schulz_flops_shrink_with_the_fraction():
   assert mo.newton_schulz_cost(selected) < 0.5 * mo.newton_schulz_cost(params)
 
 
-@pytest.mark.parametrize("scope", SCOPES)
+MESHES = [("matrix", "fsdp", AxisType.Auto), ("shard", "fsdp", AxisType.Auto),
+          ("shard", "fsdp", AxisType.Explicit), ("shard", "zero1", AxisType.Auto)]
+
+
+@pytest.mark.parametrize("scope, layout, types", MESHES)
 @pytest.mark.parametrize("name", ALIASES)
-def test_eight_devices_equal_one(name, scope):
+def test_eight_devices_equal_one(name, scope, layout, types):
   def make(mesh=None):
     select = mo.RowSelection(FRACTION, scope=scope, devices=None if mesh or scope == "matrix"
                              else 8)
+    if mesh is not None and layout == "zero1" and types == AxisType.Auto:
+      mesh = mo.MeshLayout(mesh, params="replicated")
     return ALIASES[name](LR, fraction=select, weight_decay=WD, mesh=mesh)
 
-  (want_p, want_s), (got_p, got_s) = run_on_one_and_eight(make, "fsdp", AxisType.Auto)
+  (want_p, want_s), (got_p, got_s) = run_on_one_and_eight(make, layout, types)
   buffers = [x for path, x in leaves_with_path(got_s) if "/buffer/" in f"/{path}/"]
   assert buffers and all(not x.sharding.is_fully_replicated for x in buffers), buffers
   assert_close_per_leaf(flat(got_p), flat(want_p), name)
