@@ -277,7 +277,8 @@ def markdown_table(rows: list[dict]) -> str:
          "split MB | flops / ideal | temp / state shard | compile s |",
          "|---|---|---|--:|---|---|--:|--:|--:|--:|--:|"]
   order = {m: k for k, m in enumerate(MODELS)}
-  rows = sorted(rows, key=lambda r: (order[r["model"]], r["layout"], r["platform"], r["devices"],
+  rows = sorted(rows, key=lambda r: (order[r["model"]], -r["layers"], r["layout"], r["platform"],
+                                     r["devices"],
                                      (ARMS + FRONTIER_ARMS + (FLOPS_ALONE,)).index(r["arm"]),
                                      r.get("exchanges") or 0))
   for r in rows:
