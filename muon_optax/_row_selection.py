@@ -161,16 +161,13 @@ def select_rows(
     groups = None
   else:  # each shard's neurons chosen where they lie: only they reach the exchange
     solver = solver_for(ns, mesh)
-    groups = select.devices or (None if layout is None else math.prod(
-        layout.mesh.shape[a] for a in layout.data_axis))
+    shards = None if layout is None else math.prod(layout.mesh.shape[a] for a in layout.data_axis)
+    groups = select.devices or shards
     if groups is None:
       raise ValueError("RowSelection(scope='shard', devices=None) takes its groups from a "
                        "mesh: pass mesh=, or devices= the number of shards.")
     # The choice runs where the groups lie when they are the mesh's data shards.
-    data_size = None if layout is None else math.prod(layout.mesh.shape[a]
-                                                      for a in layout.data_axis)
-    choice_layout = layout if groups == data_size else None
-    data = () if choice_layout is None else layout.data_axis
+    choice_layout = layout if groups == shards else None
 
   def init_fn(params):
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
@@ -193,9 +190,7 @@ def select_rows(
     else:
       # Groups where the devices split the leading fan-out axis (each holds whole neurons);
       # elsewhere one, whose selection needs only the norms gathered, not the matrix.
-      kinds = [_stack_groups(flat[i][1].shape, leaf_views[i], _group_count(
-          flat[i][1].shape, leaf_views[i], groups), _state_spec(buffers[i], choice_layout), data)
-               for i in live]
+      kinds = [_groups_of(buffers[i], leaf_views[i], groups, choice_layout) for i in live]
       results = _per_shard(stacks, kinds, select, solver, choice_layout)
     out, new_buffers = [g for _, g in flat], list(buffers)
     for i, result in zip(live, results):
@@ -207,20 +202,6 @@ def select_rows(
     return treedef.unflatten(out), RowSelectionState(treedef.unflatten(new_buffers))
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _group_count(shape, view: MatrixView, devices: int) -> int:
-  """`devices` where they split the leaf's leading fan-out axis (each holds whole neurons:
-  the data axes go there, see `state_shardings`), else 1."""
-  return devices if divided_axis(shape, devices) == view.normalize(len(shape)).fan_out[0] else 1
-
-
-def _state_spec(x, layout: Optional[MeshLayout]) -> P:
-  """The layout of a state leaf: its type's on an Explicit mesh, else `state_shardings`'s."""
-  if layout is None:
-    return P()
-  spec = explicit_spec(x)
-  return data_spec(tuple(x.shape), layout.mesh, layout.data_axis) if spec is None else spec
 
 
 def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) -> jax.Array:
@@ -244,14 +225,21 @@ class _Groups(NamedTuple):
   spec: P
 
 
-def _stack_groups(shape, view: MatrixView, n: int, state_spec: P, data: tuple) -> _Groups:
-  """The `_Groups` of a leaf of `shape` whose state lies as `state_spec`."""
-  if not data:  # no mesh: nothing is laid out
+def _groups_of(x, view: MatrixView, groups: int, layout: Optional[MeshLayout]) -> _Groups:
+  """The `_Groups` of the stack of state leaf `x`: `groups` where the devices split its
+  leading fan-out axis (each holds whole neurons: the data axes go there, see
+  `state_shardings`), else 1. Its layout: on an Explicit mesh the type's, else
+  `state_shardings`'s."""
+  shape, view = tuple(x.shape), view.normalize(x.ndim)
+  n = groups if divided_axis(shape, groups) == view.fan_out[0] else 1
+  if layout is None:  # nothing is laid out
     return _Groups(n, P())
   if n > 1:
+    data = layout.data_axis
     return _Groups(n, P(None, None, data[0] if len(data) == 1 else data))
-  view = view.normalize(len(shape))
-  spec = stack_spec(state_spec, (view.batch, view.fan_in, view.fan_out), False)
+  spec = explicit_spec(x)
+  spec = data_spec(shape, layout.mesh, layout.data_axis) if spec is None else spec
+  spec = stack_spec(spec, (view.batch, view.fan_in, view.fan_out), False)
   return _Groups(1, P(*(list(spec) + [None] * 3)[:2], None))
 
 
