@@ -15,7 +15,7 @@ import muon_optax as mo
 from benchmarks.hlo import collective_stats
 from muon_optax._distributed.packed_gather import with_packed_gather
 from muon_optax._distributed.plan import per_device_flops, plan_rounds
-from muon_optax._distributed.sharded_ns import layout_of
+from muon_optax._distributed.stack_layout import layout_of
 from muon_optax._newton_schulz.plan import newton_schulz_flops
 
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit

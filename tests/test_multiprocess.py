@@ -1,4 +1,5 @@
-"""The same Muon code under jax.distributed: 2 processes × 4 CPU devices vs one device, on\nAuto axes with replicated params and on Explicit axes with FSDP-split ones."""
+"""The same Muon code under jax.distributed: 2 processes × 4 CPU devices vs one device, on
+Auto axes with replicated params and on Explicit axes with FSDP-split ones."""
 
 import os
 import socket

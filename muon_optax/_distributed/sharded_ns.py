@@ -34,127 +34,28 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
 from muon_optax._distributed.layouts import spec_axes
 from muon_optax._distributed.plan import (
   FLOPS_PER_BYTE,
   Round,
   chunks,
-  group_sizes,
   plan_rounds,
-  prime_factors,
   rows_split,
 )
+from muon_optax._distributed.stack_layout import Layout, by_blocks, layout_of, owned
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
-
-
-class Layout(NamedTuple):
-  """How a (count, rows, cols) stack lies on the mesh: every device holds the same
-  (bh, bw) block of each matrix; `where[s]` = (block row, block col, replica) of
-  device s (row-major over the mesh axes) and `grid` = (block rows, block cols)."""
-
-  spec: P
-  grid: tuple[int, int]
-  block: tuple[int, int]
-  replicas: int
-  where: tuple[tuple[int, int, int], ...]
-
-
-def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:
-  """The supported layout closest to `sharding`: the count axis unsplit and the
-  matrix axes split evenly; axes it drops make the block replicated over them."""
-  spec = list(getattr(sharding, "spec", P())) + [None] * 3
-  sizes = dict(mesh.shape)
-  keep = [()]
-  for dim in (1, 2):
-    axes = spec_axes(spec[dim])
-    ok = all(a in sizes for a in axes) and shape[dim] % math.prod(sizes[a] for a in axes) == 0
-    keep.append(axes if ok else ())
-  used = set(keep[1] + keep[2])
-  rest = tuple(a for a in mesh.axis_names if a not in used)
-  radix = lambda coords, axes: int(np.ravel_multi_index(
-      [coords[a] for a in axes], [sizes[a] for a in axes])) if axes else 0
-  where = []
-  for s in range(mesh.size):
-    coords = dict(zip(mesh.axis_names, np.unravel_index(s, [sizes[a] for a in mesh.axis_names])))
-    where.append((radix(coords, keep[1]), radix(coords, keep[2]), radix(coords, rest)))
-  grid = tuple(math.prod(sizes[a] for a in keep[d]) for d in (1, 2))
-  entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
-  return Layout(P(None, entry(keep[1]), entry(keep[2])), grid,
-                (shape[1] // grid[0], shape[2] // grid[1]),
-                math.prod(sizes[a] for a in rest), tuple(where))
-
-
-def _linear_index(axes: tuple[str, ...], sizes: dict) -> jax.Array:
-  index = jnp.int32(0)
-  for a in axes:
-    index = index * sizes[a] + jax.lax.axis_index(a)
-  return index
 
 
 def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args):
   """`branches[index_table[this device]](*args)`, statically when all agree."""
   if len(set(index_table)) == 1:
     return branches[index_table[0]](*args)
-  index = jnp.asarray(index_table, jnp.int32)[_linear_index(axes, sizes)]
+  index = jnp.asarray(index_table, jnp.int32)[linear_index(axes, sizes)]
   return jax.lax.switch(index, branches, *args)
-
-
-class FactorMesh(NamedTuple):
-  """The mesh's devices in the same order, each axis cut into its prime factors, largest
-  first: the g consecutive devices that share a split matrix are then the devices that
-  differ only in some trailing factor axes, a group collectives can name."""
-
-  mesh: Mesh  # Auto axes, named "<axis>.<k>"
-  factors: dict[str, tuple[str, ...]]  # each mesh axis -> its factor axes
-
-  @classmethod
-  def of(cls, mesh: Mesh) -> FactorMesh:
-    names, sizes, factors = [], [], {}
-    for axis, size in mesh.shape.items():
-      primes = prime_factors(size)
-      factors[axis] = tuple(f"{axis}.{k}" for k in range(len(primes)))
-      names += factors[axis]
-      sizes += primes
-    devices = np.asarray(mesh.devices).reshape(sizes)
-    return cls(Mesh(devices, tuple(names), axis_types=(AxisType.Auto,) * len(names)), factors)
-
-  def spec(self, spec: P) -> P:
-    """`spec` (over the mesh's axes) over the factor axes."""
-    entry = lambda e: tuple(f for a in spec_axes(e) for f in self.factors[a]) or None
-    return P(*(entry(e) for e in spec))
-
-  def groups(self) -> tuple[int, ...]:
-    """The sizes of the device groups collectives can reduce over (> 1)."""
-    return group_sizes(list(self.mesh.shape.values()))
-
-  def group_axes(self, g: int) -> tuple[str, ...]:
-    """The trailing factor axes whose devices make the groups of g consecutive devices."""
-    names, sizes = self.mesh.axis_names, list(self.mesh.shape.values())
-    k = next(k for k in range(len(sizes)) if math.prod(sizes[k:]) == g)
-    return tuple(names[k:])
-
-  def group_reduce(self, x, op, g: int):
-    """`op`-reduction (add or maximum) over the g consecutive devices sharing a matrix."""
-    axes = self.group_axes(g)
-    return jax.lax.pmax(x, axes) if op is jnp.maximum else jax.lax.psum(x, axes)
-
-  def row_split(self, g: int) -> Callable[[Callable], Callable]:
-    """Makes a product of m×m matrices (held whole by each of g devices) compute this
-    device's block of rows and all-gather the others' (see `newton_schulz_column_parts`)."""
-    axes = self.group_axes(g)
-
-    def split(product):
-      def rows(a, b):
-        h, axis = a.shape[-2] // g, a.ndim - 2
-        part = jax.lax.dynamic_slice_in_dim(
-            a, _linear_index(axes, dict(self.mesh.shape)) * h, h, axis=axis)
-        return jax.lax.all_gather(product(part, b), axes, axis=axis, tiled=True)
-      return rows
-
-    return split
 
 
 class _Rounds(NamedTuple):
@@ -224,7 +125,7 @@ class _Exchange:
         x = jnp.pad(x, ((0, 0), (0, 0), (0, q * lay.replicas - x.shape[2])))
         rest = tuple(a for a in self.axes
                      if a not in spec_axes(lay.spec[1]) + spec_axes(lay.spec[2]))
-        x = jax.lax.dynamic_slice_in_dim(x, _linear_index(rest, self.sizes) * q, q, axis=2)
+        x = jax.lax.dynamic_slice_in_dim(x, linear_index(rest, self.sizes) * q, q, axis=2)
       shares[(i, g)] = x
     return shares
 
@@ -388,16 +289,6 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
   return lower
 
 
-def by_blocks(lay: Layout, split: int, devices: int) -> bool:
-  """Whether a stack's column parts take whole blocks: its columns lie in one block per
-  device (device s holds block s, no replicas) and `split` divides the block count but
-  not the block width. Part p of a matrix is then blocks p, p + g, p + 2g, …, which
-  devices send to its owner in an all-to-all among the devices of one residue mod g."""
-  return (split > 1 and lay.grid == (1, devices) and lay.replicas == 1
-          and all(w[1] == s for s, w in enumerate(lay.where))
-          and lay.block[1] % split != 0 and devices % split == 0)
-
-
 def _blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
   """The block-mode rounds' exchange in, one all-to-all per split among the devices of a
   residue: {round index: this device's column part (rows, cols / g)}. In such a round
@@ -445,17 +336,6 @@ def _blocks_out(rounds, results, fmesh: FactorMesh, dtype):
       back[t] = recv[:, start:start + chunk.shape[1]].reshape(classes, rows_, bw)
       start += chunk.shape[1]
   return back
-
-
-def owned(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
-  """Whether each device already holds whole matrices of a (count, rows, cols) stack: its
-  count axis split over mesh axes (a scanned stack or MoE experts sharded on their stack
-  axis), its matrix axes whole."""
-  entries = list(spec) + [None] * 3
-  axes = spec_axes(entries[0])
-  return (bool(axes) and not spec_axes(entries[1]) and not spec_axes(entries[2])
-          and all(a in mesh.shape for a in axes)
-          and shape[0] % math.prod(mesh.shape[a] for a in axes) == 0)
 
 
 def _in_place(ns_fn, fmesh: FactorMesh, x, spec: P, out_spec: Optional[P]):

@@ -1,0 +1,71 @@
+"""How a (count, rows, cols) matrix stack lies on a mesh: the block every device holds,
+and what that allows (whole blocks as column parts, matrices already owned whole)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from muon_optax._distributed.layouts import spec_axes
+
+
+class Layout(NamedTuple):
+  """How a (count, rows, cols) stack lies on the mesh: every device holds the same
+  (bh, bw) block of each matrix; `where[s]` = (block row, block col, replica) of
+  device s (row-major over the mesh axes) and `grid` = (block rows, block cols)."""
+
+  spec: P
+  grid: tuple[int, int]
+  block: tuple[int, int]
+  replicas: int
+  where: tuple[tuple[int, int, int], ...]
+
+
+def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:
+  """The supported layout closest to `sharding`: the count axis unsplit and the
+  matrix axes split evenly; axes it drops make the block replicated over them."""
+  spec = list(getattr(sharding, "spec", P())) + [None] * 3
+  sizes = dict(mesh.shape)
+  keep = [()]
+  for dim in (1, 2):
+    axes = spec_axes(spec[dim])
+    ok = all(a in sizes for a in axes) and shape[dim] % math.prod(sizes[a] for a in axes) == 0
+    keep.append(axes if ok else ())
+  used = set(keep[1] + keep[2])
+  rest = tuple(a for a in mesh.axis_names if a not in used)
+  radix = lambda coords, axes: int(np.ravel_multi_index(
+      [coords[a] for a in axes], [sizes[a] for a in axes])) if axes else 0
+  where = []
+  for s in range(mesh.size):
+    coords = dict(zip(mesh.axis_names, np.unravel_index(s, [sizes[a] for a in mesh.axis_names])))
+    where.append((radix(coords, keep[1]), radix(coords, keep[2]), radix(coords, rest)))
+  grid = tuple(math.prod(sizes[a] for a in keep[d]) for d in (1, 2))
+  entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
+  return Layout(P(None, entry(keep[1]), entry(keep[2])), grid,
+                (shape[1] // grid[0], shape[2] // grid[1]),
+                math.prod(sizes[a] for a in rest), tuple(where))
+
+
+def by_blocks(lay: Layout, split: int, devices: int) -> bool:
+  """Whether a stack's column parts take whole blocks: its columns lie in one block per
+  device (device s holds block s, no replicas) and `split` divides the block count but
+  not the block width. Part p of a matrix is then blocks p, p + g, p + 2g, …, which
+  devices send to its owner in an all-to-all among the devices of one residue mod g."""
+  return (split > 1 and lay.grid == (1, devices) and lay.replicas == 1
+          and all(w[1] == s for s, w in enumerate(lay.where))
+          and lay.block[1] % split != 0 and devices % split == 0)
+
+
+def owned(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
+  """Whether each device already holds whole matrices of a (count, rows, cols) stack: its
+  count axis split over mesh axes (a scanned stack or MoE experts sharded on their stack
+  axis), its matrix axes whole."""
+  entries = list(spec) + [None] * 3
+  axes = spec_axes(entries[0])
+  return (bool(axes) and not spec_axes(entries[1]) and not spec_axes(entries[2])
+          and all(a in mesh.shape for a in axes)
+          and shape[0] % math.prod(mesh.shape[a] for a in axes) == 0)

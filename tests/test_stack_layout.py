@@ -1,0 +1,49 @@
+"""How a stack lies on the mesh: its block, and column parts cut from narrow blocks as
+whole blocks (the exchange itself runs on 8 devices in test_distributed.py and for TPU
+in test_tpu_compile.py)."""
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from muon_optax._distributed.factor_mesh import FactorMesh
+from muon_optax._distributed.plan import padded_cols
+from muon_optax._distributed.stack_layout import by_blocks, layout_of, owned
+
+
+def test_column_parts_take_whole_blocks_when_the_blocks_are_narrow():
+  # 24 columns over 8 devices: blocks of 3. A split of 8 cannot slice a block of 3, so
+  # part p takes the blocks p, p + 8, …: exact, no padding, and the plan costs it so.
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("data",))
+  factors = FactorMesh.of(mesh)
+  spec = factors.spec(jax.sharding.PartitionSpec(None, None, "data"))
+  lay = layout_of(jax.sharding.NamedSharding(factors.mesh, spec), (1, 16, 24), factors.mesh)
+  assert lay.grid == (1, 8) and lay.block == (16, 3)
+  assert by_blocks(lay, 8, 8) and by_blocks(lay, 2, 8)
+  assert not by_blocks(lay, 1, 8)
+  assert padded_cols(24, 8, 8) == 24 and padded_cols(24, 8, 16) == 8 * 16  # 1 column a slice
+  wide = layout_of(jax.sharding.NamedSharding(factors.mesh, spec), (1, 16, 64), factors.mesh)
+  assert not by_blocks(wide, 8, 8)  # blocks of 8 columns: sliced, 1 column per part
+
+
+def test_a_layout_keeps_the_matrix_axes_it_can_and_finds_replicas():
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  lay = layout_of(NamedSharding(mesh, P(None, "data", "model")), (3, 16, 10), mesh)
+  assert (lay.grid, lay.block, lay.replicas) == ((4, 2), (4, 5), 1)
+  # 10 columns do not split over 4: that axis is dropped, its devices hold replicas.
+  lay = layout_of(NamedSharding(mesh, P(None, "model", "data")), (3, 16, 10), mesh)
+  assert (lay.spec, lay.grid, lay.block, lay.replicas) == (P(None, "model", None), (2, 1),
+                                                           (8, 10), 4)
+  # Device s (row-major over data × model) holds row block s % 2, replica s // 2.
+  assert [w[0] for w in lay.where] == [0, 1] * 4 and [w[2] for w in lay.where] == [
+      0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_a_stack_is_owned_when_its_devices_hold_whole_matrices():
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  assert owned(P("data"), (8, 16, 32), mesh)
+  assert owned(P(("data", "model")), (16, 4, 4), mesh)
+  assert not owned(P("data", None, "model"), (8, 16, 32), mesh)  # a matrix axis split
+  assert not owned(P(), (8, 16, 32), mesh)  # replicated: every device has every matrix
+  assert not owned(P(("data", "model")), (4, 16, 32), mesh)  # 4 matrices for 8 devices
