@@ -119,3 +119,18 @@ def test_an_owned_expert_stack_compiles_for_tpu_and_moves_nothing(chips):
   step = jax.jit(tx.update, out_shardings=({"moe": {"kernel": s.sharding}}, shardings))
   stats = collective_stats(step.lower(params, state, params).compile().as_text())
   assert all(n == 0 for n, _ in stats.values()), stats
+
+
+@pytest.mark.parametrize("name", ["muon", "normuon", "nordion2 per shard"])
+def test_the_collective_count_does_not_grow_with_the_layers_on_tpu(chips, name):
+  # The TPU compiler combines the per-neuron statistics' small all-reduces across leaves
+  # (the CPU one does not): the count is the same for 2 and 8 layers.
+  mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
+  make = {"muon": mo.muon, **FRONTIER}[name]
+  counts = []
+  for layers in (2, 8):
+    tx = make(0.02, mesh=mo.MeshLayout(mesh, exchanges=1))
+    stats = collective_stats(compile_update(tx, gpt_tree(layers), mesh, "fsdp").as_text())
+    counts.append({op: n for op, (n, _) in stats.items() if n})
+  assert counts[0] == counts[1], counts
+  assert sum(counts[0].values()) <= 8, counts
