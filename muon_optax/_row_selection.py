@@ -167,7 +167,7 @@ def select_rows(
       raise ValueError("RowSelection(scope='shard', devices=None) takes its groups from a "
                        "mesh: pass mesh=, or devices= the number of shards.")
     # The choice runs where the groups lie when they are the mesh's data shards.
-    choice_layout = layout if groups == shards else None
+    choice_layout = layout if groups == shards and shards > 1 else None
 
   def init_fn(params):
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
