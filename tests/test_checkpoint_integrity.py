@@ -9,6 +9,7 @@ import subprocess
 import sys
 import zlib
 
+import jax
 import numpy as np
 import pytest
 from checkpoint_case import (
@@ -205,6 +206,22 @@ def test_the_checksums_are_committed_with_the_step_and_checked(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=re.escape(
         f"{sums}: its bytes differ from those saved")):
       ckpt.restore(params_target=target[0], opt_state_target=target[1])
+
+
+def test_arrays_donated_as_soon_as_save_returns_still_check_out(tmp_path):
+  # The checksums are still being computed when save returns; donating the arrays to the
+  # next step must not change what they hash.
+  params, tx = make_params(), make_tx()
+  state = tx.init(params)
+  target = abstract_target(tx, params)
+  saved = jax.tree.map(lambda x: np.array(x, copy=True), params)
+  step = jax.jit(lambda p: jax.tree.map(lambda x: x * 0 + 7, p), donate_argnums=0)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(6, params, state)
+    step(params)  # the saved arrays donated while their checksums may still be computed
+    ckpt.wait()
+    restored = ckpt.restore(params_target=target[0], opt_state_target=target[1])
+  assert_equal(restored.params, saved)
 
 
 def test_checksums_held_in_the_record_are_still_checked(tmp_path):
