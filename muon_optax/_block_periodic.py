@@ -13,7 +13,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from muon_optax._distributed.layouts import data_spec, divided_axis, explicit_spec, reshard_to
+from muon_optax._distributed.layouts import (
+  data_spec,
+  divided_axis,
+  explicit_spec,
+  reshard_to,
+  shard_mapped,
+)
 from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._newton_schulz.iteration import newton_schulz
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
@@ -125,10 +131,7 @@ def _blocks_on_mesh(xs, leaf_views, blocks: BlockPeriodic, solve, layout: MeshLa
     return tuple((o * (blocks.block_scale * _block_factor(v, y.shape, x.shape))
                   ).astype(x.dtype) for o, v, y, x in zip(ortho, leaf_views, ys, xs))
 
-  body = jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(specs),
-                       out_specs=tuple(specs), check_vma=False)
-  with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-    return list(body(*xs))
+  return list(shard_mapped(local, layout.mesh, tuple(specs), tuple(specs))(*xs))
 
 
 def orthogonalize_blocks(

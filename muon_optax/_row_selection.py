@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
@@ -20,6 +20,7 @@ from muon_optax._distributed.layouts import (
   data_spec,
   divided_axis,
   explicit_spec,
+  shard_mapped,
   spec_axes,
   stack_spec,
 )
@@ -217,7 +218,8 @@ def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) 
 
 class _Groups(NamedTuple):
   """How one (count, fan_in, fan_out) stack is chosen from: in `n` contiguous groups of its
-  fan-out (n = 1: the whole fan-out), laid out on the mesh as `spec` (P() without one):
+  fan-out (n = 1: the whole fan-out), laid out on the mesh as `spec` (three entries; all
+  None without a mesh):
   with n > 1 the fan-out split over the data axes, one group per device; with n = 1 at
   most the count and the fan-in split, whose partial neuron norms are summed."""
 
@@ -233,7 +235,7 @@ def _groups_of(x, view: MatrixView, groups: int, layout: Optional[MeshLayout]) -
   shape, view = tuple(x.shape), view.normalize(x.ndim)
   n = groups if divided_axis(shape, groups) == view.fan_out[0] else 1
   if layout is None:  # nothing is laid out
-    return _Groups(n, P())
+    return _Groups(n, P(None, None, None))
   if n > 1:
     data = layout.data_axis
     return _Groups(n, P(None, None, data[0] if len(data) == 1 else data))
@@ -244,21 +246,9 @@ def _groups_of(x, view: MatrixView, groups: int, layout: Optional[MeshLayout]) -
 
 
 def _on_mesh(fn, layout: Optional[MeshLayout], in_specs, out_specs):
-  """`fn` run on each device's blocks (a shard_map over the mesh in these layouts), or on
-  the whole arrays without a mesh."""
-  if layout is None:
-    return fn
-  mesh = layout.mesh
-  body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-  def run(*args):
-    if layout.explicit:  # shard_map takes typed arguments in its own layouts
-      args = jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)),
-                          args, in_specs)
-      return body(*args)
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return body(*args)
-  return run
+  """`fn` run on each device's blocks (`shard_mapped` over the mesh in these layouts), or
+  on the whole arrays without a mesh."""
+  return fn if layout is None else shard_mapped(fn, layout.mesh, in_specs, out_specs)
 
 
 def _grouped(m: jax.Array, n: int) -> jax.Array:
@@ -284,7 +274,7 @@ def _choose(blocks: list, groups: list[_Groups], counts: list[int], on_mesh: boo
       norms[i] = jnp.sum(jnp.abs(b.astype(jnp.promote_types(b.dtype, jnp.float32))), axis=1)
   by_axes: dict[tuple, list[int]] = {}
   for i in norms:
-    axes = spec_axes((list(groups[i].spec) + [None] * 2)[1]) if on_mesh else ()
+    axes = spec_axes(groups[i].spec[1])
     if axes:
       by_axes.setdefault(axes, []).append(i)
   for axes, members in by_axes.items():
@@ -312,14 +302,13 @@ def _per_shard(stacks: list[jax.Array], groups: list[_Groups], select: RowSelect
   neurons lie, all stacks in one shard_map, and the chosen stay in those layouts."""
   counts = [select.count(m.shape[2] // grp.n) for m, grp in zip(stacks, groups)]
   specs = [grp.spec for grp in groups]
-  entries = [list(grp.spec) + [None] * (3 - len(grp.spec)) for grp in groups]
-  index_specs = [P(e[0], e[2]) for e in entries]
+  index_specs = [P(s[0], s[2]) for s in specs]
   choose = _on_mesh(lambda *blocks: tuple(zip(*_choose(list(blocks), groups, counts,
                                                        layout is not None))),
                     layout, tuple(specs), (tuple(index_specs), tuple(specs)))
   indices, compact = choose(*stacks)
   wides = [_wide(c) for c in compact]
-  wide_specs = [P(e[0], e[2], e[1]) if w.transposed else P(*e) for w, e in zip(wides, entries)]
+  wide_specs = [P(s[0], s[2], s[1]) if w.transposed else s for w, s in zip(wides, specs)]
   results = solver(wides, [w.stack for w in wides], None,
                    specs=wide_specs if layout is not None else None)
   results = [jnp.swapaxes(r, -1, -2) if w.transposed else r for w, r in zip(wides, results)]
@@ -332,7 +321,7 @@ def _per_shard(stacks: list[jax.Array], groups: list[_Groups], select: RowSelect
       if grp.n > 1 and layout is None:
         out.append(_ungrouped(_scatter(_grouped(o, grp.n), where, fan_out), grp.n))
       else:
-        out.append(_scatter(o, where, fan_out if grp.n > 1 else m.shape[2]))
+        out.append(_scatter(o, where, fan_out))
     return tuple(out)
   full = _on_mesh(scatter, layout, (*specs, *index_specs), tuple(specs))(
       *[r.astype(m.dtype) for r, m in zip(results, stacks)], *indices)

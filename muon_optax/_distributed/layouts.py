@@ -197,6 +197,20 @@ def reshard_to(x: jax.Array, spec: Optional[P]) -> jax.Array:
   return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, spec))
 
 
+def shard_mapped(fn, mesh: Mesh, in_specs, out_specs):
+  """`fn` run on each device's blocks: a `jax.shard_map` over `mesh`, callable inside a jit
+  (traced under the mesh). On an Explicit mesh the arguments are first given the types of
+  `in_specs`, which shard_map requires."""
+  body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+  def run(*args):
+    if is_explicit(mesh):
+      args = [reshard_to(x, spec) for x, spec in zip(args, in_specs)]
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return body(*args)
+  return run
+
+
 def data_spec(shape: tuple[int, ...], mesh: Mesh, axes: tuple[str, ...]) -> P:
   """The layout `state_shardings` gives a state leaf of `shape` whose parameter is
   replicated, and `fsdp_shardings` gives a parameter: the data axes on its largest

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.layouts import data_spec, explicit_spec, spec_axes
+from muon_optax._distributed.layouts import data_spec, explicit_spec, shard_mapped, spec_axes
 
 
 def _blocks(spec: P, shape: tuple[int, ...], mesh: Mesh):
@@ -66,12 +66,10 @@ def gather_together(xs: list[jax.Array], specs: list[P], mesh: Mesh) -> list[jax
   split = [k for k, plan in enumerate(plans) if plan is not None]
   if not split:
     return list(xs)
-  body = jax.shard_map(
+  body = shard_mapped(
       lambda *ys: tuple(_gather_packed(list(ys), [plans[k] for k in split], mesh)),
-      mesh=mesh, in_specs=tuple(specs[k] for k in split),
-      out_specs=tuple(P() for _ in split), check_vma=False)
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    gathered = body(*(xs[k] for k in split))
+      mesh, tuple(specs[k] for k in split), tuple(P() for _ in split))
+  gathered = body(*(xs[k] for k in split))
   out = list(xs)
   for k, y in zip(split, gathered):
     out[k] = y

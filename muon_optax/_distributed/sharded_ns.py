@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
-from muon_optax._distributed.layouts import spec_axes
+from muon_optax._distributed.layouts import shard_mapped, spec_axes
 from muon_optax._distributed.plan import (
   FLOPS_PER_BYTE,
   Round,
@@ -345,10 +345,7 @@ def _in_place(ns_fn, fmesh: FactorMesh, x, spec: P, out_spec: Optional[P]):
   axes = spec_axes(spec[0])
   gather = out_spec is None
   body = (lambda b: jax.lax.all_gather(ns_fn(b), axes, axis=0, tiled=True)) if gather else ns_fn
-  fn = jax.shard_map(body, mesh=fmesh.mesh, in_specs=(spec,),
-                     out_specs=P() if gather else spec, check_vma=False)
-  with jax.sharding.use_abstract_mesh(fmesh.mesh.abstract_mesh):
-    y = fn(x)
+  y = shard_mapped(body, fmesh.mesh, (spec,), P() if gather else spec)(x)
   if not gather and fmesh.spec(out_spec) != spec:
     y = jax.lax.with_sharding_constraint(y, NamedSharding(fmesh.mesh, fmesh.spec(out_spec)))
   return y
@@ -383,11 +380,9 @@ def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
   lower = _exchange(ns_fn, None if split_fn is None else split_ns, fmesh, shapes,
                     [s.dtype for s in stacks], ins, outs, gather, cost, layout.exchanges,
                     layout.flops_per_byte)
-  body = jax.shard_map(lambda *xs: tuple(lower(list(xs))), mesh=fmesh.mesh,
-                       in_specs=tuple(lay.spec for lay in ins),
-                       out_specs=tuple(lay.spec for lay in outs), check_vma=False)
-  with jax.sharding.use_abstract_mesh(fmesh.mesh.abstract_mesh):
-    return list(body(*stacks))
+  body = shard_mapped(lambda *xs: tuple(lower(list(xs))), fmesh.mesh,
+                      tuple(lay.spec for lay in ins), tuple(lay.spec for lay in outs))
+  return list(body(*stacks))
 
 
 def sharded_solver(ns_fn: Callable[[jax.Array], jax.Array], layout, *,
