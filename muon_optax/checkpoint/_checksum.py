@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from muon_optax._util import paths
+from muon_optax.checkpoint import _files
 
 ALGORITHM = "sum32-fmix32-v1"  # recorded with the checksums: a new scheme gets a new name
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
@@ -111,11 +112,8 @@ FILE = "muon_optax_checksums.json"
 
 def write(step_dir: str, trees: Sequence[str], pending: Pending) -> None:
   """Waits for `pending` and writes its sums, as {tree name: path -> sum}, to `FILE`."""
-  record = {"algorithm": ALGORITHM, **dict(zip(trees, collect(pending)))}
-  with open(os.path.join(step_dir, FILE), "w") as f:
-    json.dump(record, f)
-    f.flush()
-    os.fsync(f.fileno())
+  _files.write_json(os.path.join(step_dir, FILE),
+                    {"algorithm": ALGORITHM, **dict(zip(trees, collect(pending)))})
 
 
 def read(step_dir: str) -> dict:

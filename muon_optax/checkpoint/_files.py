@@ -70,8 +70,13 @@ def write_inventory(step_dir: str) -> None:
       continue
     path = os.path.join(step_dir, relative)
     files[relative] = [os.path.getsize(path), None if _data_file(relative) else _crc32(path)]
-  with open(os.path.join(step_dir, INVENTORY), "w") as f:
-    json.dump({"format": 1, "files": files}, f)
+  write_json(os.path.join(step_dir, INVENTORY), {"format": 1, "files": files})
+
+
+def write_json(path: str, record: dict) -> None:
+  """`record` as JSON at `path`, on disk (fsynced) before the commit that follows."""
+  with open(path, "w") as f:
+    json.dump(record, f)
     f.flush()
     os.fsync(f.fileno())
 
