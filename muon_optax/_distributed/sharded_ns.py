@@ -1,15 +1,15 @@
 """Newton–Schulz on a device mesh: one packed exchange in, local work, one out.
 
-The assignment is static, computed from the shapes at trace time and balanced by
-flops: same-shape matrices are dealt in *rounds* (one matrix per device); the few
-left over in each shape group share rounds, largest first, zero-padded to the
-round's largest shape. Zero-padding is exact for Newton–Schulz (X Xᵀ keeps its block
-structure, ‖X‖_F is unchanged); an empty slot is an all-zero matrix, whose result is 0.
-Whole matrices need no collective inside the iterations. A round with fewer
-matrices than devices splits each matrix's columns over a group of g devices instead
-of idling them: NS(X) restricted to some columns only needs the whole X Xᵀ, summed
-over the g parts wherever the iteration forms it (`newton_schulz_column_parts`), by
-one all-reduce over the group.
+The assignment is static, computed from the shapes at trace time (`plan.plan_rounds`)
+and balanced by flops: same-shape matrices are dealt in *rounds* (one matrix per
+device), each round of one shape. The few left over in a shape group fill a round of
+their own, an empty slot being an all-zero matrix whose result is 0, or are split by
+columns over groups of g devices: NS(X) restricted to some columns only needs the whole
+X Xᵀ, summed over the g parts wherever the iteration forms it
+(`newton_schulz_column_parts`). Whole matrices need no collective inside the iterations.
+The local work runs one round after another (the split rounds of one shape together),
+each waiting on the last one's results, so that one round's temporaries are live at a
+time; the rounds travel in `MeshLayout.exchanges` exchanges, one after another.
 
 The exchange is a `jax.shard_map`, which every backend compiles (TPU included), over
 the mesh's devices with each axis cut into its prime factors (`FactorMesh`): a group of
@@ -50,6 +50,16 @@ from muon_optax._distributed.stack_layout import Layout, by_blocks, layout_of, o
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
 
+def after(x: jax.Array, done) -> jax.Array:
+  """x, computed only once every array in `done` is: an exact data dependence (x + 0)
+  that the compiler cannot drop, unlike an optimization barrier (which XLA's CPU and GPU
+  pipelines remove before scheduling), so that work done one part after another holds
+  one part's temporaries at a time."""
+  scalars = [jnp.ravel(y)[:1].astype(jnp.float32) for y in jax.tree.leaves(done)]
+  tie = jnp.sum(jnp.concatenate(scalars))
+  return x + (jnp.where(jnp.isfinite(tie), tie, 0.0) * 0.0).astype(x.dtype)
+
+
 def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args):
   """`branches[index_table[this device]](*args)`, statically when all agree."""
   if len(set(index_table)) == 1:
@@ -65,7 +75,9 @@ class _Rounds(NamedTuple):
   blockwise: set[int]  # rounds whose column parts are whole blocks (`by_blocks`)
   where: dict  # item -> (its round, its first device)
   width: list[int]  # each round's slot in a device's buffer row (0: block-wise)
+  start: list[int]  # where that slot starts
   round_width: list[int]  # each round's padded matrix width
+  back_width: list[int]  # each round's slot in a row of the way back (0: block-wise)
 
 
 class _Exchange:
@@ -101,7 +113,11 @@ class _Exchange:
         where.setdefault(item, (t, d))
     width = [0 if t in blockwise else max(self.piece(i, r.split) for i, _ in members(r))
              for t, r in enumerate(rounds)]
-    return _Rounds(rounds, blockwise, where, width, round_width)
+    back_width = [0 if t in blockwise else
+                  max(self.outs[i].block[0] * self.out_slice(i, r.split) for i, _ in members(r))
+                  for t, r in enumerate(rounds)]
+    return _Rounds(rounds, blockwise, where, width, np.cumsum([0] + width)[:-1].tolist(),
+                   round_width, back_width)
 
   @staticmethod
   def variants(r: Round):
@@ -164,31 +180,48 @@ class _Exchange:
       return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))  # zero columns: exact
     return fn
 
-  def assemble(self, recv, by_block, plan: _Rounds) -> list:
-    """This device's matrix (or column part) of every round."""
-    mats, start = [], 0
-    for t, (r, w, width_r) in enumerate(zip(plan.rounds, plan.width, plan.round_width)):
-      if t in plan.blockwise:
-        mats.append(by_block[t])
-        continue
-      keys, table = self.variants(r)
-      mats.append(_switch(table, [self.assembler(i, r, width_r) for i in keys], self.axes,
-                          self.sizes, recv[:, start:start + w]))
-      start += w
-    return mats
+  def matrix(self, t: int, recv, by_block, plan: _Rounds):
+    """This device's matrix (or column part) of round t."""
+    if t in plan.blockwise:
+      return by_block[t]
+    r, start = plan.rounds[t], plan.start[t]
+    keys, table = self.variants(r)
+    return _switch(table, [self.assembler(i, r, plan.round_width[t]) for i in keys], self.axes,
+                   self.sizes, recv[:, start:start + plan.width[t]])
 
-  def solve(self, mats, plan: _Rounds) -> list:
-    """Local Newton–Schulz, one batch per (shape, split)."""
-    results = list(mats)
-    by_shape: dict[tuple[int, int, int], list[int]] = {}
-    for t, (r, x) in enumerate(zip(plan.rounds, mats)):
-      by_shape.setdefault((*x.shape, r.split), []).append(t)
-    for (_, _, g), members in by_shape.items():
-      batch = jnp.stack([mats[t] for t in members])
+  @staticmethod
+  def units(plan: _Rounds) -> list[list[int]]:
+    """The rounds in the order their local work runs: a round of whole matrices alone (it
+    has no collective inside, and one matrix's Newton–Schulz temporaries are live at a
+    time); the split rounds of one (shape, split) together, so that each step's Gram sum
+    and row gather is one collective for all of them."""
+    units, split = [], {}
+    for t, r in enumerate(plan.rounds):
+      if r.split == 1:
+        units.append([t])
+      elif (r.rows, r.cols, r.split) in split:
+        split[r.rows, r.cols, r.split].append(t)
+      else:
+        split[r.rows, r.cols, r.split] = [t]
+        units.append(split[r.rows, r.cols, r.split])
+    return units
+
+  def solve(self, recv, by_block, plan: _Rounds, keep: Callable) -> list:
+    """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
+    unit after another (`units`): the next unit's assembly waits for what the last one
+    kept (an optimization barrier), so that its matrices and Newton–Schulz temporaries
+    are not live at the same time as theirs. Returns what `keep` returned, by round."""
+    kept, last = {}, {}
+    for unit in self.units(plan):
+      kept.update(last)
+      batch = jnp.stack([self.matrix(t, recv, by_block, plan) for t in unit])
+      if last:
+        batch = after(batch, list(last.values()))
+      g = plan.rounds[unit[0]].split
       batch = self.ns_fn(batch) if g == 1 else self.split_ns(batch, g)
-      for k, t in enumerate(members):
-        results[t] = batch[k]
-    return results
+      last = {t: keep(t, batch[k]) for k, t in enumerate(unit)}
+    kept.update(last)
+    return [kept[t] for t in range(len(plan.rounds))]
 
   def gathered(self, results, plan: _Rounds) -> dict:
     """Every device gets every result: one all-gather of the owners' packed results."""
@@ -226,24 +259,26 @@ class _Exchange:
       return jnp.pad(b, ((0, 0), (0, w - bh * sw)))
     return fn
 
-  def scattered(self, results, plan: _Rounds) -> dict:
-    """Every device gets its block of every result, in the wanted layout: one all-to-all."""
+  def to_send(self, t: int, x, plan: _Rounds):
+    """What goes back of round t's result x: every device's block of it, one row per
+    device (all of it when gathered or block-wise)."""
+    if self.gather or t in plan.blockwise:
+      return x
+    r = plan.rounds[t]
+    keys, table = self.variants(r)
+    return _switch(table, [self.blocks_of(i, r, plan.back_width[t]) for i in keys], self.axes,
+                   self.sizes, x)
+
+  def scattered(self, sent, plan: _Rounds) -> dict:
+    """Every device gets its block of every result, in the wanted layout: one all-to-all
+    of what `to_send` made of them."""
     outs = self.outs
-    w_out = [max(outs[item[0]].block[0] * self.out_slice(item[0], r.split)
-                 for item in r.slots if item) for r in plan.rounds]
-    parts = []
-    for t, (r, x, w) in enumerate(zip(plan.rounds, results, w_out)):
-      if t in plan.blockwise:
-        w_out[t] = 0
-        continue
-      keys, table = self.variants(r)
-      parts.append(_switch(table, [self.blocks_of(i, r, w) for i in keys], self.axes,
-                           self.sizes, x))
+    parts = [x for t, x in enumerate(sent) if t not in plan.blockwise]
     back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), self.axes, 0, 0, tiled=True)
             if parts else None)
-    by_block = _blocks_out({t: plan.rounds[t] for t in plan.blockwise}, results, self.fmesh,
+    by_block = _blocks_out({t: plan.rounds[t] for t in plan.blockwise}, sent, self.fmesh,
                            self.dtype)
-    offsets = np.cumsum([0] + w_out)
+    offsets = np.cumsum([0] + plan.back_width)
 
     def result(i, j):
       (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
@@ -258,8 +293,8 @@ class _Exchange:
   def run(self, stacks, rounds: list[Round]) -> dict:
     """One exchange of the matrices of `rounds`: {item: its result, in the wanted layout}."""
     plan = self.plan(rounds)
-    results = self.solve(self.assemble(*self.send(stacks, plan), plan), plan)
-    return self.gathered(results, plan) if self.gather else self.scattered(results, plan)
+    sent = self.solve(*self.send(stacks, plan), plan, lambda t, x: self.to_send(t, x, plan))
+    return self.gathered(sent, plan) if self.gather else self.scattered(sent, plan)
 
 
 def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
@@ -280,8 +315,7 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
     done = {}
     for k, chunk in enumerate(parts):  # one after another: one chunk's buffers live at a time
       if k:  # the next chunk starts from inputs that wait for the last one's results
-        stacks, finished = jax.lax.optimization_barrier((stacks, list(done.values())))
-        done = dict(zip(done, finished))
+        stacks = [after(x, list(done.values())) for x in stacks]
       done.update(exchange.run(stacks, chunk))
     return [jnp.stack([done[i, j] for j in range(shape[0])]).astype(dt)
             for i, (shape, dt) in enumerate(zip(shapes, dtypes))]
