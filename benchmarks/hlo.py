@@ -28,6 +28,7 @@ _ARRAY = re.compile(r"\b(" + "|".join(_ITEM_BYTES) + r")\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{([\d,{}]*)\}")
 
 
@@ -52,8 +53,9 @@ def _moved(op: str, result_bytes: int, group: int, line: str) -> float:
   return result_bytes if moving else 0
 
 
-def collective_stats(hlo_text: str) -> dict[str, tuple[int, int]]:
-  """{collective: (count, bytes)} of one device's compiled program.
+def collective_stats(hlo_text: str, outside: Optional[str] = None) -> dict[str, tuple[int, int]]:
+  """{collective: (count, bytes)} of one device's compiled program; with `outside`, only
+  the collectives not traced in `jax.named_scope(outside)`.
 
   Bytes are those one device receives from the others: for an all-gather or
   all-to-all over g devices, (g − 1)/g of its result; a reduce-scatter (g − 1)
@@ -65,15 +67,18 @@ def collective_stats(hlo_text: str) -> dict[str, tuple[int, int]]:
     >>> collective_stats(compiled.as_text())["all-gather"]
   """
   stats = {op: [0, 0.0] for op in COLLECTIVES}
-  for op, _, moved in collective_ops(hlo_text):
+  for op, _, moved, name in collective_ops(hlo_text):
+    if outside is not None and f"/{outside}/" in name:
+      continue
     stats[op][0] += 1
     stats[op][1] += moved
   return {op: (n, int(round(b))) for op, (n, b) in stats.items()}
 
 
-def collective_ops(hlo_text: str) -> list[tuple[str, int, float]]:
-  """(collective, devices in its group, bytes one device receives) of every collective
-  of one device's compiled program, in program order (see `collective_stats`)."""
+def collective_ops(hlo_text: str) -> list[tuple[str, int, float, str]]:
+  """(collective, devices in its group, bytes one device receives, the op_name it was
+  traced under) of every collective of one device's compiled program, in program order
+  (see `collective_stats`)."""
   partitions = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text)) else 1
   ops = []
   for line in hlo_text.splitlines():
@@ -88,7 +93,8 @@ def collective_ops(hlo_text: str) -> list[tuple[str, int, float]]:
     size = sum(_ITEM_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
                for t, dims in arrays)
     group = _group_size(line, partitions)
-    ops.append((op, group, _moved(op, size, group, line)))
+    name = m.group(1) if (m := _OP_NAME.search(line)) else ""
+    ops.append((op, group, _moved(op, size, group, line), name))
   return ops
 
 

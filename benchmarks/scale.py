@@ -10,8 +10,8 @@ offline: needs libtpu, the `tpu` extra), one process per device count, and reads
 - exchange bytes (all-to-alls and whole-mesh all-gathers, received per device) over the
   minimal (n−1)/n · (Muon bytes / n) in and the same out (ZeRO-1: out is every update,
   AdamW's too, to every device, (n−1)/n · all param bytes); the split matrices' own
-  traffic (Gram sums: all-reduces; rows of the m×m products: all-gathers within a
-  group) is its own column;
+  traffic (the collectives traced in `SHARED_MATRIX_SCOPE`: Gram sums reduce-scattered,
+  whole m×m matrices gathered from row blocks) is its own column;
 - flops per device (`cost_analysis`) over the ideal: the Newton–Schulz flops of every
   Muon matrix (`newton_schulz_plan`) divided by n;
 - temp memory (`memory_analysis().temp_size_in_bytes`) over the Muon state shard
@@ -181,13 +181,16 @@ def measure(model: str, layout: str, arm: str, devices, platform: str,
   back = (4 * sum(math.prod(p.shape) for p in jax.tree.leaves(params)) if layout == "zero1"
           else muon_bytes / n)
   minimal = (n - 1) / n * (muon_bytes / n + back)
-  # The exchange: every all-to-all (in, out, and among the devices of a residue for
-  # block-wise parts) and the all-gathers over the whole mesh (ZeRO-1's results). The
-  # split matrices' own work: all-reduces (Gram sums) and all-gathers within a group
-  # (rows of the m×m products).
+  # The split matrices' own work: the collectives traced in their named scope (Gram
+  # sums, whole m×m matrices gathered from row blocks). The exchange: every other
+  # all-to-all (in, out, and among the devices of a residue for block-wise parts) and the
+  # all-gathers over the whole mesh (ZeRO-1's results).
+  from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
   ops = collective_ops(compiled.as_text())
-  exchange = sum(b for op, g, b in ops if op == "all-to-all" or (op == "all-gather" and g == n))
-  split_work = sum(b for op, g, b in ops if op == "all-reduce" or (op == "all-gather" and g < n))
+  shared = lambda name: f"/{SHARED_MATRIX_SCOPE}/" in name
+  exchange = sum(b for op, g, b, name in ops if not shared(name)
+                 and (op == "all-to-all" or (op == "all-gather" and g == n)))
+  split_work = sum(b for _, _, b, name in ops if shared(name))
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   row = {"model": model, "layers": layers or MODELS[model][0], "layout": layout, "arm": arm,
@@ -272,7 +275,7 @@ HEADER = (f"{'':>4} {'':4} {'layout':<5} {'':<3} {'dev':>5} {'arm':<18} {'collec
 
 def markdown_table(rows: list[dict]) -> str:
   """The measured rows as a markdown table, one line per case and arm."""
-  kinds = {"all-to-all": "A2A", "all-gather": "AG", "all-reduce": "AR"}
+  kinds = {"all-to-all": "A2A", "all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS"}
   out = ["| model | layout | platform | devices | arm | collectives | exchange / minimal | "
          "split MB | flops / ideal | temp / state shard | compile s |",
          "|---|---|---|--:|---|---|--:|--:|--:|--:|--:|"]
@@ -366,9 +369,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     subprocess.run([sys.executable, "-m", "benchmarks.scale", *forwarded, "--count", str(n)],
                    env=env, check=True)
   print("B/min: exchange bytes (all-to-alls, whole-mesh all-gathers) over minimal; split MB: "
-        "bytes per device of the split matrices' Gram sums (all-reduces) and row gathers "
-        "(all-gathers within a group); F/ideal: flops per device over the ideal; T/shard: "
-        "temp memory over the Muon state shard.")
+        "bytes per device of the split matrices' own collectives (Gram sums reduce-scattered, "
+        "whole m×m matrices gathered from row blocks); F/ideal: flops per device over the "
+        "ideal; T/shard: temp memory over the Muon state shard.")
   return None
 
 

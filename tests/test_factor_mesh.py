@@ -4,10 +4,13 @@ that groups of consecutive devices are trailing axes collectives can name."""
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.factor_mesh import FactorMesh
+from muon_optax._distributed.layouts import shard_mapped
 
 
 @pytest.mark.parametrize("shape, axes, groups", [
@@ -29,3 +32,37 @@ def test_factor_mesh_keeps_device_order_and_names_groups(shape, axes, groups):
   assert factors.spec(jax.sharding.PartitionSpec(None, axes[0])) == jax.sharding.PartitionSpec(
       None, factors.factors[axes[0]])
 
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_row_blocks_of_a_group(g):
+  # Each of g consecutive devices holds a block of rows of an m×m matrix: the Gram sum of
+  # the group's partials, the whole matrix and the rows of its transpose, exactly (the
+  # entries are small integers, so every order of summation gives the same float32).
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  factors = FactorMesh.of(mesh)
+  blocks = factors.row_blocks(g)
+  m = 8
+  partials = jax.random.randint(jax.random.key(0), (8, 2, m, m), -4, 5).astype(jnp.float32)
+  whole = jnp.arange(8 * 2 * m * m, dtype=jnp.float32).reshape(8, 2, m, m) % 7
+
+  def body(partial, w):
+    partial, w = partial[0], w[0]
+    mine = blocks.rows(w)
+    return (blocks.sum_rows(partial)[None], blocks.gather(mine)[None], mine[None],
+            blocks.transposed(mine)[None])
+
+  axes = factors.mesh.axis_names
+  spec = P(axes)
+  summed, gathered, mine, transposed = jax.jit(shard_mapped(
+      body, factors.mesh, (spec, spec), (spec,) * 4))(partials, whole)
+  h = m // g
+  for d in range(8):
+    group = range(d // g * g, d // g * g + g)
+    rows = slice(d % g * h, d % g * h + h)
+    np.testing.assert_array_equal(summed[d], sum(partials[k] for k in group)[:, rows])
+    # Each device's rows of its own group member's matrix gathered: the member k's rows k.
+    expected = jnp.concatenate([whole[k][:, k % g * h:k % g * h + h] for k in group], axis=-2)
+    np.testing.assert_array_equal(gathered[d], expected)
+    t = jnp.swapaxes(expected, -1, -2)
+    np.testing.assert_array_equal(transposed[d], t[:, rows])

@@ -7,7 +7,7 @@ import pytest
 from _helpers import float32_bound, polar, rel, singular_values
 
 import muon_optax as mo
-from muon_optax._newton_schulz.iteration import newton_schulz_column_parts
+from muon_optax._newton_schulz.iteration import RowBlocks, newton_schulz_column_parts
 
 NS = mo.NewtonSchulz
 
@@ -106,25 +106,25 @@ def test_column_parts_equal_the_whole_matrix(ns, gram):
   assert np.all(rel(jnp.concatenate(list(split), axis=-1), whole) < 2 * float32_bound(ns))
 
 
+@pytest.mark.parametrize("ns", ["turbo", "jordan", "polar_express"])
 @pytest.mark.parametrize("gram", [False, True])
-def test_row_split_m_by_m_products_equal_the_whole_matrix(gram):
-  # Column parts whose m×m products are split by rows too: each part computes its
-  # block of rows of every m×m product and gathers the others', as devices would.
+def test_row_blocks_equal_the_whole_matrix(ns, gram):
+  # Column parts whose m×m matrices are split by rows too: each part keeps its block of
+  # rows, Gram sums are reduce-scattered and whole matrices all-gathered, as devices do.
   x = well_conditioned(jax.random.key(8), (2, 16, 64))
   reduce = lambda v, op: (jax.lax.psum if op is jnp.add else jax.lax.pmax)(v, "part")
-
-  def rows(product):
-    def split(a, b):
-      h = a.shape[-2] // 4
-      block = jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index("part") * h, h, axis=-2)
-      return jax.lax.all_gather(product(block, b), "part", axis=a.ndim - 2, tiled=True)
-    return split
-
+  rows = lambda v: jax.lax.dynamic_slice_in_dim(v, jax.lax.axis_index("part") * (v.shape[-2] // 4),
+                                                v.shape[-2] // 4, axis=v.ndim - 2)
+  blocks = RowBlocks(
+      lambda v: jax.lax.psum_scatter(v, "part", scatter_dimension=v.ndim - 2, tiled=True),
+      lambda v: jax.lax.all_gather(v, "part", axis=v.ndim - 2, tiled=True), rows,
+      lambda v: jnp.swapaxes(jax.lax.all_to_all(v, "part", v.ndim - 1, v.ndim - 2, tiled=True),
+                             -1, -2))
   parts = jnp.stack(jnp.split(x, 4, axis=-1))
-  split = jax.vmap(lambda p: newton_schulz_column_parts(p, 4, reduce, NS(gram=gram), rows),
+  split = jax.vmap(lambda p: newton_schulz_column_parts(p, 4, reduce, NS(ns, gram=gram), blocks),
                    axis_name="part")(parts)
-  whole = mo.newton_schulz(x, NS(gram=gram))
-  assert np.all(rel(jnp.concatenate(list(split), axis=-1), whole) < 2 * float32_bound())
+  whole = mo.newton_schulz(x, NS(ns, gram=gram))
+  assert np.all(rel(jnp.concatenate(list(split), axis=-1), whole) < 2 * float32_bound(ns))
 
 
 def test_bad_inputs():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -14,6 +13,19 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.layouts import spec_axes
 from muon_optax._distributed.plan import group_sizes, prime_factors
+from muon_optax._newton_schulz.iteration import RowBlocks
+
+# The collectives of a matrix shared by a group of devices (its Gram sums and the whole
+# m×m matrices it gathers) are traced in this named scope, so that a compiled program's
+# collectives can be told apart from the exchange's.
+SHARED_MATRIX_SCOPE = "shared_matrix"
+
+
+def _in_shared_scope(fn):
+  def scoped(*args):
+    with jax.named_scope(SHARED_MATRIX_SCOPE):
+      return fn(*args)
+  return scoped
 
 
 def linear_index(axes: tuple[str, ...], sizes: dict) -> jax.Array:
@@ -60,19 +72,27 @@ class FactorMesh(NamedTuple):
   def group_reduce(self, x, op, g: int):
     """`op`-reduction (add or maximum) over the g consecutive devices sharing a matrix."""
     axes = self.group_axes(g)
-    return jax.lax.pmax(x, axes) if op is jnp.maximum else jax.lax.psum(x, axes)
+    with jax.named_scope(SHARED_MATRIX_SCOPE):
+      return jax.lax.pmax(x, axes) if op is jnp.maximum else jax.lax.psum(x, axes)
 
-  def row_split(self, g: int) -> Callable[[Callable], Callable]:
-    """Makes a product of m×m matrices (held whole by each of g devices) compute this
-    device's block of rows and all-gather the others' (see `newton_schulz_column_parts`)."""
+  def row_blocks(self, g: int) -> RowBlocks:
+    """The m×m matrices of a matrix shared by g devices, one block of rows on each
+    (see `newton_schulz_column_parts`): Gram sums reduce-scattered, whole matrices
+    all-gathered, both over the group."""
     axes = self.group_axes(g)
 
-    def split(product):
-      def rows(a, b):
-        h, axis = a.shape[-2] // g, a.ndim - 2
-        part = jax.lax.dynamic_slice_in_dim(
-            a, linear_index(axes, dict(self.mesh.shape)) * h, h, axis=axis)
-        return jax.lax.all_gather(product(part, b), axes, axis=axis, tiled=True)
-      return rows
+    def rows(x):
+      h, axis = x.shape[-2] // g, x.ndim - 2
+      index = linear_index(axes, dict(self.mesh.shape))
+      return jax.lax.dynamic_slice_in_dim(x, index * h, h, axis=axis)
 
-    return split
+    def transposed(x):  # column block k of every device's rows: its rows of the transpose
+      cols = jax.lax.all_to_all(x, axes, x.ndim - 1, x.ndim - 2, tiled=True)
+      return jnp.swapaxes(cols, -1, -2)
+
+    def gather(x):  # along a new major axis: no relayout copy when the batch is one matrix
+      blocks = jnp.moveaxis(jax.lax.all_gather(x, axes, axis=0), 0, -3)
+      return blocks.reshape(*x.shape[:-2], -1, x.shape[-1])
+
+    summed = lambda x: jax.lax.psum_scatter(x, axes, scatter_dimension=x.ndim - 2, tiled=True)
+    return RowBlocks(*map(_in_shared_scope, (summed, gather, rows, transposed)))

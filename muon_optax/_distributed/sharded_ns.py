@@ -50,14 +50,17 @@ from muon_optax._distributed.stack_layout import Layout, by_blocks, layout_of, o
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
 
-def after(x: jax.Array, done) -> jax.Array:
-  """x, computed only once every array in `done` is: an exact data dependence (x + 0)
-  that the compiler cannot drop, unlike an optimization barrier (which XLA's CPU and GPU
-  pipelines remove before scheduling), so that work done one part after another holds
-  one part's temporaries at a time."""
+def after(tree, done):
+  """`tree`'s arrays, computed only once every array in `done` is: an exact data
+  dependence (x + 0) that the compiler cannot drop, unlike an optimization barrier
+  (which XLA's CPU and GPU pipelines remove before scheduling), so that work done one
+  part after another holds one part's temporaries at a time."""
   scalars = [jnp.ravel(y)[:1].astype(jnp.float32) for y in jax.tree.leaves(done)]
+  if not scalars:
+    return tree
   tie = jnp.sum(jnp.concatenate(scalars))
-  return x + (jnp.where(jnp.isfinite(tie), tie, 0.0) * 0.0).astype(x.dtype)
+  zero = jnp.where(jnp.isfinite(tie), tie, 0.0) * 0.0
+  return jax.tree.map(lambda x: x + zero.astype(x.dtype), tree)
 
 
 def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args):
@@ -216,15 +219,16 @@ class _Exchange:
       kept.update(last)
       batch = jnp.stack([self.matrix(t, recv, by_block, plan) for t in unit])
       if last:
-        batch = after(batch, list(last.values()))
+        batch = after(batch, next(iter(last.values())))  # one batch: one value suffices
       g = plan.rounds[unit[0]].split
       batch = self.ns_fn(batch) if g == 1 else self.split_ns(batch, g)
       last = {t: keep(t, batch[k]) for k, t in enumerate(unit)}
     kept.update(last)
     return [kept[t] for t in range(len(plan.rounds))]
 
-  def gathered(self, results, plan: _Rounds) -> dict:
-    """Every device gets every result: one all-gather of the owners' packed results."""
+  def gathered(self, results, plan: _Rounds) -> tuple[dict, list]:
+    """Every device gets every result: one all-gather of the owners' packed results.
+    Returns the results and the collective's output."""
     n, ins, shapes = self.n, self.ins, self.shapes
     sent = jax.lax.all_gather(jnp.concatenate([x.reshape(-1) for x in results]), self.axes,
                               tiled=False)
@@ -241,7 +245,7 @@ class _Exchange:
       x = jnp.stack([x[:, :ak * sw] for x in parts]).reshape(r.split, rows_, ak, sw)
       x = x.transpose(1, 2, 0, 3).reshape(rows_, ak, r.split * sw)
       return x[:, :, :ins[i].block[1]].reshape(rows_, cols)
-    return {item: result(*item) for item in plan.where if item is not None}
+    return {item: result(*item) for item in plan.where if item is not None}, [sent]
 
   def out_slice(self, i, g):
     # A split result's parts have the input's grid (split_ok), hence its slices.
@@ -269,15 +273,15 @@ class _Exchange:
     return _switch(table, [self.blocks_of(i, r, plan.back_width[t]) for i in keys], self.axes,
                    self.sizes, x)
 
-  def scattered(self, sent, plan: _Rounds) -> dict:
+  def scattered(self, sent, plan: _Rounds) -> tuple[dict, list]:
     """Every device gets its block of every result, in the wanted layout: one all-to-all
-    of what `to_send` made of them."""
+    of what `to_send` made of them. Returns the results and the collectives' outputs."""
     outs = self.outs
     parts = [x for t, x in enumerate(sent) if t not in plan.blockwise]
     back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), self.axes, 0, 0, tiled=True)
             if parts else None)
-    by_block = _blocks_out({t: plan.rounds[t] for t in plan.blockwise}, sent, self.fmesh,
-                           self.dtype)
+    by_block, received = _blocks_out({t: plan.rounds[t] for t in plan.blockwise}, sent,
+                                     self.fmesh, self.dtype)
     offsets = np.cumsum([0] + plan.back_width)
 
     def result(i, j):
@@ -288,12 +292,15 @@ class _Exchange:
       x = jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * sw].reshape(bh, sw)
                            for p in range(r.split)], axis=1)
       return x[:, :outs[i].block[1]]
-    return {item: result(*item) for item in plan.where if item is not None}
+    results = {item: result(*item) for item in plan.where if item is not None}
+    return results, [x for x in [back, *received] if x is not None]
 
-  def run(self, stacks, rounds: list[Round]) -> dict:
-    """One exchange of the matrices of `rounds`: {item: its result, in the wanted layout}."""
+  def run(self, stacks, rounds: list[Round], wait=()) -> tuple[dict, list]:
+    """One exchange of the matrices of `rounds`, sent once the arrays in `wait` are
+    computed: ({item: its result, in the wanted layout}, the arrays that are computed
+    once it is done)."""
     plan = self.plan(rounds)
-    sent = self.solve(*self.send(stacks, plan), plan, lambda t, x: self.to_send(t, x, plan))
+    sent = self.solve(*self.send(after(stacks, wait), plan), plan, lambda t, x: self.to_send(t, x, plan))
     return self.gathered(sent, plan) if self.gather else self.scattered(sent, plan)
 
 
@@ -312,11 +319,10 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
   parts = chunks(rounds, chunks_of)
 
   def lower(stacks):
-    done = {}
-    for k, chunk in enumerate(parts):  # one after another: one chunk's buffers live at a time
-      if k:  # the next chunk starts from inputs that wait for the last one's results
-        stacks = [after(x, list(done.values())) for x in stacks]
-      done.update(exchange.run(stacks, chunk))
+    done, finished = {}, []
+    for chunk in parts:  # one after another, each sent once the last one's results are in
+      results, finished = exchange.run(stacks, chunk, wait=finished)
+      done.update(results)
     return [jnp.stack([done[i, j] for j in range(shape[0])]).astype(dt)
             for i, (shape, dt) in enumerate(zip(shapes, dtypes))]
 
@@ -355,8 +361,9 @@ def _blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
 
 def _blocks_out(rounds, results, fmesh: FactorMesh, dtype):
   """The block-mode rounds' way back: each owner sends every device of its residue class
-  that device's block of its part. {round index: this device's block of matrix q, by q}."""
-  back = {}
+  that device's block of its part: ({round index: this device's block of matrix q, by q},
+  the collectives' outputs)."""
+  back, received = {}, []
   for g in sorted({rounds[t].split for t in rounds}):
     members = [t for t in rounds if rounds[t].split == g]
     classes = fmesh.mesh.size // g
@@ -364,12 +371,13 @@ def _blocks_out(rounds, results, fmesh: FactorMesh, dtype):
     chunks = [results[t].reshape(results[t].shape[0], classes, -1).transpose(1, 0, 2)
               .reshape(classes, -1).astype(dtype) for t in members]
     recv = jax.lax.all_to_all(jnp.concatenate(chunks, axis=1), lead, 0, 0, tiled=True)
+    received.append(recv)
     start = 0
     for t, chunk in zip(members, chunks):
       rows_, bw = results[t].shape[0], results[t].shape[1] // classes
       back[t] = recv[:, start:start + chunk.shape[1]].reshape(classes, rows_, bw)
       start += chunk.shape[1]
-  return back
+  return back, received
 
 
 def _in_place(ns_fn, fmesh: FactorMesh, x, spec: P, out_spec: Optional[P]):
@@ -409,7 +417,7 @@ def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
           [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
            for spec, shape in zip(out_specs, shapes)])
   def split_ns(x, g):
-    rows = fmesh.row_split(g) if rows_split(x.shape[-2], g) else None
+    rows = fmesh.row_blocks(g) if rows_split(x.shape[-2], g) else None
     return split_fn(x, g, lambda v, op: fmesh.group_reduce(v, op, g), rows=rows)
   lower = _exchange(ns_fn, None if split_fn is None else split_ns, fmesh, shapes,
                     [s.dtype for s in stacks], ins, outs, gather, cost, layout.exchanges,

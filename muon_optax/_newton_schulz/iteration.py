@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,56 +40,89 @@ def _frobenius_normalize(x: jax.Array, safety: float, reduce: Reduce = _whole) -
   return x / jnp.where(norm > 0, norm, 1)
 
 
-def _aol(x: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array]:
+class RowBlocks(NamedTuple):
+  """How the m×m matrices of the iteration are held when X is split by columns over
+  some devices: each keeps one block of their rows, and gathers a whole matrix only
+  where a product needs it, so that the m×m work is split too and no m×m state is
+  whole on a device between products.
+
+  Attributes:
+    sum_rows: the column parts' X_j X_jᵀ (m×m partials) -> this part's rows of their sum.
+    gather: this part's rows of a matrix (rows on axis -2) -> the whole matrix.
+    rows: a whole matrix (rows on axis -2) -> this part's rows.
+    transposed: this part's rows of a matrix -> this part's rows of its transpose.
+  """
+
+  sum_rows: Callable[[jax.Array], jax.Array]
+  gather: Callable[[jax.Array], jax.Array]
+  rows: Callable[[jax.Array], jax.Array]
+  transposed: Callable[[jax.Array], jax.Array]
+
+
+def _identity(x):
+  return x
+
+
+def whole_rows(reduce: Reduce = _whole) -> RowBlocks:
+  """Every part holds all rows: the m×m work is repeated on each part, and a Gram sum
+  is `reduce` over the parts."""
+  return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t)
+
+
+def _aol(x: jax.Array, r: jax.Array, blocks: RowBlocks) -> tuple[jax.Array, jax.Array]:
   """Almost-orthogonal-layer rescaling X ← S X, R ← S R S, S = diag(1/√Σ_j |R_ij|).
 
   With R = X Xᵀ, ‖S X‖₂ ≤ 1 (Schur test on S R S, whose absolute row sums are ≤ 1),
   and the bound is much tighter than ‖X‖_F, so fewer steps lift the small singular
-  values. Zero rows keep a zero scale. R is reused by the first step.
+  values. Zero rows keep a zero scale. R (this part's rows) is reused by the first step.
   """
   rows = jnp.sum(jnp.abs(r), axis=-1, keepdims=True)
   s = jnp.where(rows > 0, jax.lax.rsqrt(jnp.where(rows > 0, rows, 1)), 0)
-  return s * x, s * r * _t(s)
+  scale = blocks.gather(s)
+  return scale * x, s * r * _t(scale)
 
 
-def _standard_iterate(x, r, coeffs, mm, reduce: Reduce = _whole, square=None):
+def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks):
   """X ← a X + (b A + c A²) X with A = X Xᵀ; three matmuls per step on X itself.
-  `r` is A for the first step when the preconditioner already formed it; `square`
-  forms the m×m product A² (default: `mm`)."""
-  square = square or mm
+  `r` is this part's rows of A for the first step when the preconditioner formed it;
+  A and the polynomial are this part's rows (`blocks`), gathered whole where X needs."""
   for i, (a, b, c) in enumerate(coeffs):  # unrolled: steps is small and static
-    gram = r if i == 0 and r is not None else reduce(mm(x, _t(x)), jnp.add)
-    poly = b * gram + c * square(gram, gram)
-    x = a * x + mm(poly, x)
+    gram = r if i == 0 and r is not None else blocks.sum_rows(mm(x, _t(x)))
+    poly = b * gram + c * mm(gram, blocks.gather(gram))
+    x = a * x + mm(blocks.gather(poly), x)
   return x
 
 
-def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, reduce: Reduce = _whole):
+def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks):
   """The same polynomial, carried in Gram space: X_k = Q_k X_0.
 
   With R_k = X_k X_kᵀ and P_k = a I + b R_k + c R_k², one step is X_{k+1} = P_k X_k,
   so Q_{k+1} = P_k Q_k and R_{k+1} = P_k R_k P_k = P_k (P_k R_k) (P_k and R_k commute).
   Only R_0 = X_0 X_0ᵀ and the final Q X touch the m×n matrix. At the start of each of
   the (start, stop) `parts` but the first, the state is rebuilt (X ← Q X, R ← X Xᵀ,
-  Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products use float32 operands whatever the
-  compute dtype. Q is kept as α I + D so that α X is applied exactly, in float32.
+  Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products use float32
+  operands whatever the compute dtype. Q is kept as α I + D so that α X is applied
+  exactly, in float32. R, D and every product are this part's rows (`blocks`): each step
+  gathers the whole R, D and P R once.
   """
-  eye = jnp.eye(x.shape[-2], dtype=jnp.float32)
+  eye = blocks.rows(jnp.eye(x.shape[-2], dtype=jnp.float32))
   alpha, d = 1.0, None  # Q = α I + D, set by the first step of the first segment
   for start, stop in parts:
     if start:
-      x = alpha * x + mm(d, x)
+      x = alpha * x + mm(blocks.gather(d), x)
     if start or r is None:
-      r = reduce(mm(x, _t(x)), jnp.add)
+      r = blocks.sum_rows(mm(x, _t(x)))
     segment = coeffs[start:stop]
     for i, (a, b, c) in enumerate(segment):
-      z = b * r + c * mm_f32(r, r)
-      alpha, d = (a, z) if i == 0 else (a * alpha, a * d + alpha * z + mm_f32(z, d))
+      if i:  # keep R symmetric as rounding drifts it
+        r = 0.5 * (r + blocks.transposed(r))
+      whole = blocks.gather(r)
+      z = b * r + c * mm_f32(r, whole)
+      alpha, d = (a, z) if i == 0 else (a * alpha, a * d + alpha * z + mm_f32(z, blocks.gather(d)))
       if i + 1 < len(segment):
         p = a * eye + z
-        r = mm_f32(p, mm_f32(p, r))
-        r = 0.5 * (r + _t(r))  # keep R symmetric as rounding drifts it
-  return alpha * x + mm(d, x)
+        r = mm_f32(p, blocks.gather(mm_f32(p, whole)))
+  return alpha * x + mm(blocks.gather(d), x)
 
 
 def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
@@ -140,17 +173,12 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
   if ns.fn is not None:  # a custom function takes a (count, m, n) stack
     out = ns.fn(wide.reshape(-1, *wide.shape[-2:])).reshape(wide.shape)
   else:
-    out = _orthogonalize_wide(wide, wide.shape[-2:], _whole, ns)
+    out = _orthogonalize_wide(wide, wide.shape[-2:], _whole, ns, whole_rows())
   return _t(out) if tall else out
 
 
-# Turns a product mm(a, b) of m×m matrices held whole by every part into one that
-# computes only this part's block of rows and gathers the blocks from the other parts.
-RowSplit = Callable[[Callable], Callable]
-
-
 def newton_schulz_column_parts(x: jax.Array, parts: int, reduce: Reduce,
-                               ns: NS = DEFAULT_NS, rows: Optional[RowSplit] = None
+                               ns: NS = DEFAULT_NS, rows: Optional[RowBlocks] = None
                                ) -> jax.Array:
   """`newton_schulz` of wide matrices whose columns are split into `parts` equal parts
   (one per device): `x` is this device's (..., m, n / parts) part, and
@@ -158,14 +186,15 @@ def newton_schulz_column_parts(x: jax.Array, parts: int, reduce: Reduce,
   `jnp.maximum`). Every sum over columns (norms, X Xᵀ) goes through it; the rest of
   the iteration is column-local, so each part of the result is that part of the whole
   matrix's result, with the same variant and settings as `newton_schulz` picks.
-  `rows` splits the m×m products (A², and every Gram-space product) by rows over the
-  parts too, so that each part does 1/parts of all the work."""
+  `rows` (`RowBlocks`) splits the m×m matrices and products by rows over the parts too,
+  so that each part does 1/parts of all the work; without it every part holds them
+  whole (`whole_rows`)."""
   m, cols = x.shape[-2:]
-  return _orthogonalize_wide(x, (m, cols * parts), reduce, as_newton_schulz(ns), rows)
+  return _orthogonalize_wide(x, (m, cols * parts), reduce, as_newton_schulz(ns),
+                             rows or whole_rows(reduce))
 
 
-def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz,
-                        rows: Optional[RowSplit] = None):
+def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowBlocks):
   """The iteration on wide (m ≤ n) matrices of logical (m, n) `shape`."""
   plan = newton_schulz_plan(shape, ns)
   cdt, precision = jnp.dtype(plan.compute_dtype), jax.lax.Precision[plan.precision]
@@ -180,13 +209,11 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz,
   out, r = x.astype(acc), None
   if plan.precondition == "aol":
     out = _peak_normalize(out, reduce)
-    out, r = _aol(out, reduce(mm(out, _t(out)), jnp.add))
+    out, r = _aol(out, blocks.sum_rows(mm(out, _t(out))), blocks)
   else:
     out = _frobenius_normalize(out, ns.safety(), reduce)
-  split = rows or (lambda product: product)
   if plan.variant == "gram":
-    out = _gram_iterate(out, r, coeffs, mm, split(lambda a, b: mm(a, b, acc)), plan.segments,
-                        reduce)
+    out = _gram_iterate(out, r, coeffs, mm, lambda a, b: mm(a, b, acc), plan.segments, blocks)
   else:
-    out = _standard_iterate(out, r, coeffs, mm, reduce, split(mm))
+    out = _standard_iterate(out, r, coeffs, mm, blocks)
   return out.astype(x.dtype)
