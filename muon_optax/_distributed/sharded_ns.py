@@ -52,9 +52,9 @@ from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
 def after(tree, done):
   """`tree`'s arrays, computed only once every array in `done` is: an exact data
-  dependence (x + 0) that the compiler cannot drop, unlike an optimization barrier
-  (which XLA's CPU and GPU pipelines remove before scheduling), so that work done one
-  part after another holds one part's temporaries at a time."""
+  dependence (x + 0) that no compiler can drop, unlike an optimization barrier (which
+  XLA's CPU pipeline removes before it schedules), so that work done one part after
+  another holds one part's temporaries at a time."""
   scalars = [jnp.ravel(y)[:1].astype(jnp.float32) for y in jax.tree.leaves(done)]
   if not scalars:
     return tree
