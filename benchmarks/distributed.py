@@ -1,7 +1,9 @@
 """Distributed Muon vs optax.contrib.muon under the same sharding: per-device flops,
 collectives, the bytes they move and optimizer-state bytes on a GPT-2-small-shaped tree;
 NorDion2 (fraction 0.25, chosen per matrix and per shard) and each kind of MuonBP step
-(period 4) beside them.
+(period 4) beside them. "muon_optax flops alone" is muon_optax with
+`MeshLayout(flops_per_byte=0)`: it splits the matrices left over whatever their traffic
+costs, where the default weighs it at a TPU v5p's flops per byte.
 
     python -m benchmarks.distributed [--layers 12] [--devices 1 2 4 8] [--biases]
     python -m benchmarks.distributed --layers 1 --d 64 --vocab 256 --devices 1 2  # smallest
@@ -22,6 +24,7 @@ The tree is `common.gpt2_tree` without position embeddings (vocabulary padded to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -100,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   print(f"GPT-2-small-shaped tree, {args.layers} layers, width {args.d}, vocabulary "
         f"{args.vocab}{', with biases and LayerNorms' * args.biases}; {len(jax.devices())} "
         "simulated CPU devices")
-  columns = (f"{'layout':<6} {'dev':>3} {'optimizer':<18} {'GFLOP/device':>12} {'vs 1/n':>7} "
+  columns = (f"{'layout':<6} {'dev':>3} {'optimizer':<22} {'GFLOP/device':>12} {'vs 1/n':>7} "
              f"{'collectives':>11} {'coll. MB':>9} {'minimal MB':>10} {'× min':>6} "
              f"{'state MB/device':>15}")
   print(columns + "\n" + "-" * len(columns))
@@ -114,7 +117,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
       adam = mo.AuxAdam(backend="optax")
       placement = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded")
       bp = mo.muonbp(0.02, blocks=mo.BlockPeriodic(period=4), mesh=placement, adam=adam)
+      flops_alone = dataclasses.replace(placement, flops_per_byte=0)
       arms = {"muon_optax": mo.muon(0.02, mesh=placement, adam=adam),
+              "muon_optax flops alone": mo.muon(0.02, mesh=flops_alone, adam=adam),
               "nordion2 (0.25)": mo.nordion2(0.02, mesh=placement, adam=adam),
               "nordion2 per shard": mo.nordion2(0.02, mesh=placement, adam=adam,
                                                 fraction=mo.RowSelection(0.25, scope="shard")),
@@ -127,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if n == 1:
           single[name] = r["flops"]
         ideal = single.get(name, r["flops"] * n) / n
-        print(f"{kind:<6} {n:>3} {name:<18} {r['flops'] / 1e9:>12.1f} {r['flops'] / ideal:>7.3f} "
+        print(f"{kind:<6} {n:>3} {name:<22} {r['flops'] / 1e9:>12.1f} {r['flops'] / ideal:>7.3f} "
               f"{r['collectives']:>11} {r['collective_bytes'] / 1e6:>9.1f} {least / 1e6:>10.1f} "
               f"{r['collective_bytes'] / least if least else 0:>6.2f} "
               f"{r['state_bytes'] / 1e6:>15.1f}")

@@ -290,9 +290,11 @@ def markdown_table(rows: list[dict]) -> str:
     coll = " + ".join(f"{n} {kinds.get(k, k)}" for k, (n, _) in r["collectives"].items()) or "—"
     arm = r["arm"] + (f" ×{r['exchanges']}" if r.get("exchanges") else "")
     f = lambda a, b: f"{a / b:.2f}" if b and a else "—"
+    # The anchors split no matrix: their traffic is all in the collectives column.
+    split = lambda r: "—" if r["arm"] in ARMS[1:] else f"{r['split_bytes'] / 1e6:.0f}"
     out.append(f"| {r['model']} ×{r['layers']} | {r['layout']} | {r['platform']} | "
                f"{r['devices']} | {arm} | {coll} | {f(r['exchange_bytes'], r['minimal_bytes'])} | "
-               f"{r['split_bytes'] / 1e6:.0f} | {f(r['flops'], r['ideal_flops'])} | "
+               f"{split(r)} | {f(r['flops'], r['ideal_flops'])} | "
                f"{f(r['temp_bytes'], r['muon_state_shard_bytes'])} | {r['compile_s']:.0f} |")
   return "\n".join(out)
 

@@ -261,7 +261,7 @@ def test_gpt2_small_update_near_the_ideal_flops_and_bytes(kind):
   assert exchange["all-to-all"][0] <= 2 * mo.MeshLayout(mesh).exchanges, exchange
   # Minimal bytes: every Muon element moves to its owner and back once; with
   # replicated params, back means every device receives the updates it did not compute.
-  # The split matrices' Gram sums and row gathers add a few m×m (768²) each.
+  # The split matrices' Gram sums and row-block gathers add a few m×m (768²) each.
   size = sum(4 * np.prod(p.shape) for p in jax.tree.leaves(params))
   minimal = (n - 1) / n * size / n + (n - 1) / n * (size if kind == "zero1" else size / n)
   assert sum(b for _, b in stats.values()) <= 1.3 * minimal, (stats, minimal)
@@ -319,7 +319,7 @@ def test_after_is_exact_whatever_it_waits_on(done):
 
 
 def test_split_matrices_add_a_fixed_number_of_collectives_per_step():
-  # 2 matrices per shape for 8 devices: all split. The Gram sums and row gathers of the
+  # 2 matrices per shape for 8 devices: all split. The Gram sums and row-block gathers of the
   # standard iteration repeat once per step, the exchange does not.
   params, mesh = gpt2_small_tree(layers=2, d=128), mesh_of()
   counts = [sum(c for c, _ in collective_stats(compiled_update(

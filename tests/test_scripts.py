@@ -196,11 +196,11 @@ def test_distributed_compiles_both_layouts(tmp_path, capsys):
   distributed.main(argv)
   out = capsys.readouterr().out
   check_report(out, "benchmarks.distributed", argv)
-  # Fixed columns: layout, devices, the arm's name in 18 characters, then the figures.
-  rows = [(*line[:10].split(), line[11:29].strip(), line[29:].split())
+  # Fixed columns: layout, devices, the arm's name in 22 characters, then the figures.
+  rows = [(*line[:10].split(), line[11:33].strip(), line[33:].split())
           for line in out.splitlines() if line.startswith(("zero1", "fsdp"))]
-  arms = ("muon_optax", "nordion2 (0.25)", "nordion2 per shard", "muonbp full step",
-          "muonbp block step", "optax.contrib.muon")
+  arms = ("muon_optax", "muon_optax flops alone", "nordion2 (0.25)", "nordion2 per shard",
+          "muonbp full step", "muonbp block step", "optax.contrib.muon")
   assert [r[:3] for r in rows] == [(kind, n, name) for kind in ("zero1", "fsdp")
                                    for n in ("1", "2") for name in arms]
   collectives = {(kind, n, name): int(figures[2]) for kind, n, name, figures in rows}

@@ -48,8 +48,8 @@ FLOPS_PER_BYTE = 750
 
 def split_bytes(rows: int, split: int, ns: NewtonSchulz) -> float:
   """Bytes one device of a group of `split` receives to share a matrix of `rows` rows:
-  per step, about three m×m transfers (the Gram sum, and the row gathers of the m×m
-  products), each (g − 1)/g of the m×m matrix, in float32."""
+  per step, about three m×m transfers (the Gram sum reduce-scattered into row blocks, and
+  whole m×m matrices gathered from them), each (g − 1)/g of the m×m matrix, in float32."""
   return 3 * ns.num_steps() * (split - 1) / split * rows * rows * 4 if split > 1 else 0.0
 
 
@@ -83,7 +83,7 @@ def _best_split(items: list[Item], rows: int, cols: int, devices: int, ns: Newto
 
 
 # A plan within this factor of the ideal per-device flops splits no further matrix: each
-# split adds collectives inside the iterations (the Gram sums and the row gathers).
+# split adds collectives inside the iterations (the Gram sums and the row-block gathers).
 SPLIT_TOLERANCE = 1.05
 
 

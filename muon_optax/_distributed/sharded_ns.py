@@ -51,10 +51,12 @@ from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
 
 def after(tree, done):
-  """`tree`'s arrays, computed only once every array in `done` is: an exact data
-  dependence (x + 0) that no compiler can drop, unlike an optimization barrier (which
-  XLA's CPU pipeline removes before it schedules), so that work done one part after
-  another holds one part's temporaries at a time."""
+  """`tree`'s arrays, computed only once the arrays in `done` are: an exact data
+  dependence (x + 0 · the sum of their first elements, non-finite values read as 0)
+  that no compiler can drop, unlike an optimization barrier (which XLA's CPU pipeline
+  removes before it schedules), so that work done one part after another holds one
+  part's temporaries at a time. Pass few arrays, each one operation's output: the
+  sum is inlined wherever the result is used."""
   scalars = [jnp.ravel(y)[:1].astype(jnp.float32) for y in jax.tree.leaves(done)]
   if not scalars:
     return tree
@@ -196,8 +198,8 @@ class _Exchange:
   def units(plan: _Rounds) -> list[list[int]]:
     """The rounds in the order their local work runs: a round of whole matrices alone (it
     has no collective inside, and one matrix's Newton–Schulz temporaries are live at a
-    time); the split rounds of one (shape, split) together, so that each step's Gram sum
-    and row gather is one collective for all of them."""
+    time); the split rounds of one (shape, split) together, so that each of their
+    collectives (the Gram sums, the row-block gathers) serves all of them."""
     units, split = [], {}
     for t, r in enumerate(plan.rounds):
       if r.split == 1:
