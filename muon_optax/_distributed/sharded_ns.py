@@ -214,18 +214,17 @@ class _Exchange:
   def solve(self, recv, by_block, plan: _Rounds, keep: Callable) -> list:
     """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
     unit after another (`units`): the next unit's assembly waits for what the last one
-    kept (an optimization barrier), so that its matrices and Newton–Schulz temporaries
-    are not live at the same time as theirs. Returns what `keep` returned, by round."""
-    kept, last = {}, {}
+    kept (`after`), so that its matrices and Newton–Schulz temporaries are not live at
+    the same time as theirs. Returns what `keep` returned, by round."""
+    kept, last = {}, None
     for unit in self.units(plan):
-      kept.update(last)
       batch = jnp.stack([self.matrix(t, recv, by_block, plan) for t in unit])
-      if last:
-        batch = after(batch, next(iter(last.values())))  # one batch: one value suffices
+      if last is not None:
+        batch = after(batch, last)  # the last unit was one batch: one value suffices
       g = plan.rounds[unit[0]].split
       batch = self.ns_fn(batch) if g == 1 else self.split_ns(batch, g)
-      last = {t: keep(t, batch[k]) for k, t in enumerate(unit)}
-    kept.update(last)
+      kept.update((t, keep(t, batch[k])) for k, t in enumerate(unit))
+      last = kept[unit[0]]
     return [kept[t] for t in range(len(plan.rounds))]
 
   def gathered(self, results, plan: _Rounds) -> tuple[dict, list]:
@@ -302,7 +301,8 @@ class _Exchange:
     computed: ({item: its result, in the wanted layout}, the arrays that are computed
     once it is done)."""
     plan = self.plan(rounds)
-    sent = self.solve(*self.send(after(stacks, wait), plan), plan, lambda t, x: self.to_send(t, x, plan))
+    recv, by_block = self.send(after(stacks, wait), plan)
+    sent = self.solve(recv, by_block, plan, lambda t, x: self.to_send(t, x, plan))
     return self.gathered(sent, plan) if self.gather else self.scattered(sent, plan)
 
 
