@@ -82,18 +82,29 @@ def _aol(x: jax.Array, r: jax.Array, blocks: RowBlocks) -> tuple[jax.Array, jax.
   return scale * x, s * r * _t(scale)
 
 
-def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks):
+def _apply(scale, m, x, mm, blocks: RowBlocks, eye):
+  """(scale · I + M) X, M being this part's rows. With `eye` (this part's rows of I,
+  float32 operands) it is one product, so that X's old value dies with it: written
+  scale · X + M X, the compiler may fuse that sum into each of the result's consumers,
+  keeping both X and M X live until the last of them. Without `eye` (16-bit operands)
+  scale · X stays exact in float32."""
+  if eye is not None:
+    return mm(blocks.gather(scale * eye + m), x)
+  return scale * x + mm(blocks.gather(m), x)
+
+
+def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks, eye):
   """X ← a X + (b A + c A²) X with A = X Xᵀ; three matmuls per step on X itself.
   `r` is this part's rows of A for the first step when the preconditioner formed it;
   A and the polynomial are this part's rows (`blocks`), gathered whole where X needs."""
   for i, (a, b, c) in enumerate(coeffs):  # unrolled: steps is small and static
     gram = r if i == 0 and r is not None else blocks.sum_rows(mm(x, _t(x)))
     poly = b * gram + c * mm(gram, blocks.gather(gram))
-    x = a * x + mm(blocks.gather(poly), x)
+    x = _apply(a, poly, x, mm, blocks, eye)
   return x
 
 
-def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks):
+def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks, fold: bool):
   """The same polynomial, carried in Gram space: X_k = Q_k X_0.
 
   With R_k = X_k X_kᵀ and P_k = a I + b R_k + c R_k², one step is X_{k+1} = P_k X_k,
@@ -102,14 +113,15 @@ def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks):
   the (start, stop) `parts` but the first, the state is rebuilt (X ← Q X, R ← X Xᵀ,
   Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products use float32
   operands whatever the compute dtype. Q is kept as α I + D so that α X is applied
-  exactly, in float32. R, D and every product are this part's rows (`blocks`): each step
-  gathers the whole R, D and P R once.
+  exactly, in float32 (with 16-bit operands; else `fold` applies Q in one product, see
+  `_apply`). R, D and every product are this part's rows (`blocks`): each step gathers
+  the whole R, D and P R once.
   """
   eye = blocks.rows(jnp.eye(x.shape[-2], dtype=jnp.float32))
   alpha, d = 1.0, None  # Q = α I + D, set by the first step of the first segment
   for start, stop in parts:
     if start:
-      x = alpha * x + mm(blocks.gather(d), x)
+      x = _apply(alpha, d, x, mm, blocks, eye if fold else None)
     if start or r is None:
       r = blocks.sum_rows(mm(x, _t(x)))
     segment = coeffs[start:stop]
@@ -122,7 +134,7 @@ def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks):
       if i + 1 < len(segment):
         p = a * eye + z
         r = mm_f32(p, blocks.gather(mm_f32(p, whole)))
-  return alpha * x + mm(blocks.gather(d), x)
+  return _apply(alpha, d, x, mm, blocks, eye if fold else None)
 
 
 def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
@@ -212,8 +224,12 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
     out, r = _aol(out, blocks.sum_rows(mm(out, _t(out))), blocks)
   else:
     out = _frobenius_normalize(out, ns.safety(), reduce)
+  # With operands of 32 bits or more, a X + M X is applied as one product (`_apply`).
+  fold = cdt.itemsize >= 4
   if plan.variant == "gram":
-    out = _gram_iterate(out, r, coeffs, mm, lambda a, b: mm(a, b, acc), plan.segments, blocks)
+    out = _gram_iterate(out, r, coeffs, mm, lambda a, b: mm(a, b, acc), plan.segments, blocks,
+                        fold)
   else:
-    out = _standard_iterate(out, r, coeffs, mm, blocks)
+    eye = blocks.rows(jnp.eye(shape[0], dtype=acc)) if fold else None
+    out = _standard_iterate(out, r, coeffs, mm, blocks, eye)
   return out.astype(x.dtype)
