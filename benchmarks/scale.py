@@ -21,7 +21,8 @@ offline: needs libtpu, the `tpu` extra), one process per device count, and reads
 Layouts: `fsdp` (params split by `mo.fsdp_shardings`), `zero1` (replicated params),
 `2d` (a data × fsdp mesh with `data_axis=("data", "fsdp")`). Arms: muon_optax, and
 optax.contrib.muon (same routing) and optax.adamw where asked; "muon_optax flops alone"
-is muon_optax with `MeshLayout(flops_per_byte=0)`, whose splits ignore their traffic. Rows go to `--out` as
+is muon_optax with `MeshLayout(flops_per_byte=0)`, whose splits ignore their traffic;
+"muon_optax memory 1" with `MeshLayout(memory=1)`, which splits for memory. Rows go to `--out` as
 JSON lines as they are measured; a row already there is not measured again, so a long
 sweep resumes where it stopped. `--plan-only` prints the planner's own per-device flops
 over the ideal up to any device count, for the CPU and the GPU defaults, without
@@ -65,6 +66,10 @@ FRONTIER_ARMS = ("nordion2 per shard", "muonbp block step", "muonbp full step")
 # muon_optax with MeshLayout(flops_per_byte=0): splits balance flops alone, whatever
 # traffic they cost.
 FLOPS_ALONE = "muon_optax flops alone"
+# muon_optax with MeshLayout(memory=1): every matrix split until its Newton–Schulz fits
+# in about one Muon state shard, whatever m×m traffic that costs.
+MEMORY_CAPPED = "muon_optax memory 1"
+OURS = (FLOPS_ALONE, MEMORY_CAPPED)
 
 
 def model_tree(model: str, layers: Optional[int] = None) -> dict:
@@ -137,6 +142,8 @@ def _optimizer(arm: str, mesh, layout: str, data_axis, exchanges: Optional[int] 
   extra = {} if exchanges is None else {"exchanges": exchanges}
   if arm == FLOPS_ALONE:
     extra["flops_per_byte"] = 0
+  if arm == MEMORY_CAPPED:
+    extra["memory"] = 1.0
   placed = mo.MeshLayout(mesh, params=params, data_axis=data_axis, **extra)
   adam = mo.AuxAdam(backend="optax")
   if arm == "nordion2 per shard":
@@ -282,7 +289,7 @@ def markdown_table(rows: list[dict]) -> str:
   order = {m: k for k, m in enumerate(MODELS)}
   rows = sorted(rows, key=lambda r: (order[r["model"]], -r["layers"], r["layout"], r["platform"],
                                      r["devices"],
-                                     (ARMS + FRONTIER_ARMS + (FLOPS_ALONE,)).index(r["arm"]),
+                                     (ARMS + FRONTIER_ARMS + OURS).index(r["arm"]),
                                      r.get("exchanges") or 0))
   for r in rows:
     if "error" in r:
@@ -325,7 +332,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])
   p.add_argument("--devices", type=int, nargs="+", default=[8, 64, 256])
   p.add_argument("--layouts", nargs="+", choices=["fsdp", "zero1", "2d"], default=["fsdp", "zero1"])
-  p.add_argument("--arms", nargs="+", choices=ARMS + FRONTIER_ARMS + (FLOPS_ALONE,),
+  p.add_argument("--arms", nargs="+", choices=ARMS + FRONTIER_ARMS + OURS,
                  default=list(ARMS))
   p.add_argument("--platform", choices=["cpu", "tpu"], default="cpu")
   p.add_argument("--layers", type=int, default=None, help="fewer layers than the model has")

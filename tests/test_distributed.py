@@ -16,7 +16,6 @@ from benchmarks.hlo import collective_stats
 from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
 from muon_optax._distributed.packed_gather import with_packed_gather
 from muon_optax._distributed.plan import per_device_flops, plan_rounds
-from muon_optax._distributed.sharded_ns import after
 from muon_optax._distributed.stack_layout import layout_of
 from muon_optax._newton_schulz.plan import newton_schulz_flops
 
@@ -310,12 +309,28 @@ def test_rounds_run_one_after_another_in_bounded_memory():
   assert compiled.memory_analysis().temp_size_in_bytes <= 1.5 * shard
 
 
-@pytest.mark.parametrize("done", [1.0, np.nan, np.inf, -0.0])
-def test_after_is_exact_whatever_it_waits_on(done):
-  x = jnp.asarray([[1.5, -0.0], [np.inf, -3.0]])
-  y = after({"x": x}, [jnp.full((2, 3), done)])["x"]
-  np.testing.assert_array_equal(y, x)
-  assert after(x, []) is x
+@pytest.mark.parametrize("types", [AUTO, EXPLICIT])
+def test_a_memory_cap_splits_every_matrix_and_matches_single_device(types):
+  mesh, params = mesh_of(types=types), small_tree()
+  capped = mo.MeshLayout(mesh, params="sharded", memory=0.25)
+  want_p, want_s = run_steps(optimizer(), params, 3)
+  got_p, got_s = run_steps(optimizer(capped), params, 3, (mesh, mo.fsdp_shardings(params, mesh)))
+  assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
+  assert_trees_close(got_s, want_s, rtol=0, atol=1e-5)
+
+
+def test_a_memory_cap_bounds_temp_memory_with_split_matrices():
+  # 4 layers of GPT-2 shapes at width 256 on 8 devices: 16 matrices, all whole in the
+  # default plan (about 2× the state shard of temp). Capped at a quarter of the shard
+  # for one matrix's work, every matrix is split, its rounds run one at a time, and
+  # temp memory falls below the shard (the exchange's buffers come on top of the cap).
+  params, mesh = gpt2_small_tree(layers=4, d=256), mesh_of()
+  shard = sum(4 * np.prod(p.shape) for p in jax.tree.leaves(params)) / 8
+  temp = lambda layout: compiled_update(mo.muon(0.02, mesh=layout, adam=mo.AuxAdam(
+      backend="optax")), params, mesh, "fsdp").memory_analysis().temp_size_in_bytes
+  default = temp(mo.MeshLayout(mesh, params="sharded"))
+  capped = temp(mo.MeshLayout(mesh, params="sharded", memory=0.25))
+  assert capped <= 0.5 * default and capped <= shard, (capped, default, shard)
 
 
 def test_split_matrices_add_a_fixed_number_of_collectives_per_step():

@@ -11,6 +11,7 @@ from muon_optax._distributed.plan import (
   plan_rounds,
   rows_split,
   split_flops,
+  working_set,
 )
 from muon_optax._newton_schulz.plan import newton_schulz_flops
 
@@ -90,3 +91,21 @@ def test_llama_8b_shapes_within_the_ideal_flops(devices):
   flops = per_device_flops(shapes, devices, NS, split_ok=fits, flops_per_byte=0)
   assert flops <= 1.10 * ideal(shapes, devices)
 
+
+
+def test_a_memory_budget_splits_every_matrix_until_its_work_fits():
+  # 12 matrices of 64×256 on 8 devices: whole, one holds 2·64·256 + 4·64² elements. A
+  # budget below that splits all 12 (not only the 4 left over) over the fewest devices
+  # whose parts fit; no budget leaves the full round whole.
+  shapes = [(12, 64, 256), (8, 16, 16)]
+  whole = working_set(64, 256, 1)
+  assert [r.split for r in plan_rounds(shapes, 8)][:1] == [1]
+  for budget in (whole / 2, whole / 4):
+    rounds = plan_rounds(shapes, 8, budget=budget)
+    covers_every_matrix_once(shapes, rounds)
+    split = {r.split for r in rounds if r.rows == 64}
+    assert len(split) == 1 and working_set(64, 256, *split) <= budget
+    assert working_set(64, 256, next(iter(split)) // 2) > budget  # the fewest that fit
+    assert all(r.split == 1 for r in rounds if r.rows == 16)  # these fit whole
+  # A budget no split can meet: the largest split there is.
+  assert {r.split for r in plan_rounds(shapes, 8, budget=1) if r.rows == 64} == {8}

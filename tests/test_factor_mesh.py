@@ -66,3 +66,32 @@ def test_row_blocks_of_a_group(g):
     np.testing.assert_array_equal(gathered[d], expected)
     t = jnp.swapaxes(expected, -1, -2)
     np.testing.assert_array_equal(transposed[d], t[:, rows])
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+@pytest.mark.parametrize("cols", [8, 64])  # narrow parts: M X in blocks of rows; wide: whole
+def test_row_block_products_a_block_at_a_time(g, cols):
+  # The products of a shared matrix's row blocks, formed a few columns (or rows) at a
+  # time, equal the whole-matrix products, exactly (small-integer entries).
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  factors = FactorMesh.of(mesh)
+  blocks = factors.row_blocks(g)
+  m = 32
+  key_a, key_b, key_x = jax.random.split(jax.random.key(1), 3)
+  a, b = (jax.random.randint(k, (m, m), -3, 4).astype(jnp.float32) for k in (key_a, key_b))
+  parts = jax.random.randint(key_x, (8, m, cols), -3, 4).astype(jnp.float32)
+  mm = lambda u, v: jnp.matmul(u, v, precision="highest")
+
+  def body(x):
+    x, ra, rb = x[0], blocks.rows(a), blocks.rows(b)
+    return (blocks.product(ra, rb, mm)[None], blocks.apply(ra, x, mm)[None],
+            blocks.gram_rows(x, mm)[None])
+
+  spec = P(factors.mesh.axis_names)
+  times, applied, gram = jax.jit(shard_mapped(body, factors.mesh, (spec,), (spec,) * 3))(parts)
+  h = m // g
+  for d in range(8):
+    group, rows = range(d // g * g, d // g * g + g), slice(d % g * h, d % g * h + h)
+    np.testing.assert_array_equal(times[d], (a @ b)[rows])
+    np.testing.assert_array_equal(applied[d], a @ parts[d])
+    np.testing.assert_array_equal(gram[d], sum(parts[k] @ parts[k].T for k in group)[rows])

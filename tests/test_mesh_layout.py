@@ -15,6 +15,9 @@ def test_mesh_layout_is_checked_when_built():
     mo.MeshLayout(mesh, params="zero1")
   with pytest.raises(ValueError, match="data axis 'batch' is not an axis"):
     mo.MeshLayout(mesh, data_axis="batch")
+  with pytest.raises(ValueError, match=r"MeshLayout\(memory=0\) must be a positive multiple"):
+    mo.MeshLayout(mesh, memory=0)
+  assert mo.MeshLayout(mesh, memory=1.5).memory == 1.5
   with pytest.raises(ValueError, match="mesh= takes a jax.sharding.Mesh or a muon_optax.MeshLayout"):
     mo.muon(0.02, mesh="data")
 

@@ -12,7 +12,8 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.layouts import spec_axes
-from muon_optax._distributed.plan import group_sizes, prime_factors
+from muon_optax._distributed.order import after
+from muon_optax._distributed.plan import PRODUCT_CHUNKS, group_sizes, prime_factors
 from muon_optax._newton_schulz.iteration import RowBlocks
 
 # The collectives of a matrix shared by a group of devices (its Gram sums and the whole
@@ -94,5 +95,44 @@ class FactorMesh(NamedTuple):
       blocks = jnp.moveaxis(jax.lax.all_gather(x, axes, axis=0), 0, -3)
       return blocks.reshape(*x.shape[:-2], -1, x.shape[-1])
 
+    def times(a, b, mm):
+      # a's rows of A B, B's whole columns gathered one block at a time, each once the
+      # last block's product is done (so that only one is live, and a second product
+      # with the same B gathers its own instead of keeping these).
+      k = math.gcd(PRODUCT_CHUNKS, b.shape[-1])
+      w, out = b.shape[-1] // k, []
+      for c in range(k):
+        block = b[..., c * w:(c + 1) * w]
+        out.append(mm(a, gather(after(block, out[-1:]))))
+      return jnp.concatenate(out, axis=-1)
+
     summed = lambda x: jax.lax.psum_scatter(x, axes, scatter_dimension=x.ndim - 2, tiled=True)
-    return RowBlocks(*map(_in_shared_scope, (summed, gather, rows, transposed)))
+
+    def applied(a, x, mm):
+      # Rows of M X a few at a time: block c gathers sub-block c of every part's rows
+      # of M, and gives those rows of the result; each once the last block's is done.
+      # The blocks are then put together in a new X-sized array: worth it only where
+      # that is smaller than the (k - 1) / k of the m×m it saves.
+      batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
+      k = math.gcd(PRODUCT_CHUNKS, h)
+      if n >= a.shape[-1] * (k - 1) // k:
+        return mm(gather(a), x)
+      sub, out = a.reshape(*batch, k, h // k, a.shape[-1]), []
+      for c in range(k):
+        out.append(mm(gather(after(sub[..., c, :, :], out[-1:])), x))
+      out = jnp.stack([y.reshape(*batch, g, h // k, n) for y in out], axis=-3)
+      return out.reshape(*batch, g * h, n)
+
+    def gram(x, mm):
+      # Rows of X Xᵀ summed a few at a time: block c holds rows c of every part's rows
+      # (sub-block c of each of the g row blocks), so that its reduce-scatter hands each
+      # part its own rows c; each once the last block's sum is done.
+      batch, (m, n) = x.shape[:-2], x.shape[-2:]
+      k = math.gcd(PRODUCT_CHUNKS, m // g)
+      sub, out = x.reshape(*batch, g, k, m // g // k, n), []
+      for c in range(k):
+        block = after(sub[..., c, :, :].reshape(*batch, m // k, n), out[-1:])
+        out.append(summed(mm(block, jnp.swapaxes(x, -1, -2))))
+      return jnp.concatenate(out, axis=-2)
+
+    return RowBlocks(*map(_in_shared_scope, (summed, gather, rows, transposed, times, applied, gram)))

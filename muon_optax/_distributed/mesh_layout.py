@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from jax.sharding import Mesh
 
@@ -51,6 +51,7 @@ class MeshLayout:
   data_axis: DataAxis = "data"
   exchanges: int = EXCHANGES
   flops_per_byte: float = FLOPS_PER_BYTE
+  memory: Optional[float] = None
 
   def __post_init__(self):
     if not isinstance(self.mesh, Mesh):
@@ -61,6 +62,9 @@ class MeshLayout:
       raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer.")
     if not self.flops_per_byte >= 0:
       raise ValueError(f"MeshLayout(flops_per_byte={self.flops_per_byte!r}) must be ≥ 0.")
+    if self.memory is not None and not self.memory > 0:
+      raise ValueError(f"MeshLayout(memory={self.memory!r}) must be a positive multiple of the "
+                       "Muon state shard, or None.")
     axis = self.data_axis
     if axis == "data" and "data" not in self.mesh.axis_names:
       axis = tuple(self.mesh.axis_names)

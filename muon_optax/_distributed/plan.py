@@ -41,6 +41,22 @@ def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   return plan.flops - plan.x_flops + plan.x_flops // split
 
 
+# An m×m product of a shared matrix forms the whole right factor this many column
+# blocks at a time (`FactorMesh.row_blocks`): one block is live, never the whole m×m.
+PRODUCT_CHUNKS = 4
+
+
+def working_set(rows: int, cols: int, split: int) -> float:
+  """About the float32 elements one device holds live while it orthogonalizes its part
+  of a rows×cols (rows ≤ cols) matrix split over `split` devices: its part and the next
+  one, four m×m matrices (or their row blocks, see `rows_split`), and a block of a
+  whole m×m gathered for a product."""
+  part, square = rows * cols / split, rows * rows
+  if rows_split(rows, split):
+    return 2 * part + 4 * square / split + square / PRODUCT_CHUNKS
+  return 2 * part + 4 * square
+
+
 # What a byte sent between devices costs, in matmul flops: an accelerator's matmul rate
 # over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s of ICI).
 FLOPS_PER_BYTE = 750
@@ -69,17 +85,33 @@ def padded_cols(cols: int, blocks: int, split: int) -> int:
   return blocks * math.ceil(cols // blocks / split) * split
 
 
+def _splits(items: list[Item], devices: int, split_ok: SplitOk, groups: tuple[int, ...],
+            least: int = 1) -> list[int]:
+  """The splits, at least `least`, that every item of a shape group allows."""
+  fits = [g for g in groups if g <= devices and all(split_ok(item, g) for item in items)]
+  return [g for g in [1, *fits] if g >= least]
+
+
 def _best_split(items: list[Item], rows: int, cols: int, devices: int, ns: NewtonSchulz,
                 split_ok: SplitOk, groups: tuple[int, ...], blocks: int,
-                flops_per_byte: float) -> int:
-  """The split of a shape group with the least per-device flops over all its rounds
-  (its parts fill ⌈count · g / devices⌉ rounds); the smaller split on a tie."""
+                flops_per_byte: float, least: int = 1) -> int:
+  """The split (at least `least`) of a shape group with the least per-device flops over
+  all its rounds (its parts fill ⌈count · g / devices⌉ rounds); the smaller on a tie."""
   def cost(g):
     width = padded_cols(cols, blocks, g)
     part = split_flops(rows, width, g, ns) + flops_per_byte * split_bytes(rows, g, ns)
     return math.ceil(len(items) * g / devices) * part
-  fits = [g for g in groups if g <= devices and all(split_ok(item, g) for item in items)]
-  return min([1, *fits], key=lambda g: (cost(g), g))
+  return min(_splits(items, devices, split_ok, groups, least), key=lambda g: (cost(g), g))
+
+
+def _least_split(items: list[Item], rows: int, cols: int, devices: int, split_ok: SplitOk,
+                 groups: tuple[int, ...], budget: Optional[float]) -> int:
+  """The smallest split whose `working_set` fits `budget` elements (None: 1); the
+  largest allowed split if none does."""
+  if budget is None:
+    return 1
+  splits = _splits(items, devices, split_ok, groups)
+  return next((g for g in splits if working_set(rows, cols, g) <= budget), splits[-1])
 
 
 # A plan within this factor of the ideal per-device flops splits no further matrix: each
@@ -90,7 +122,8 @@ SPLIT_TOLERANCE = 1.05
 def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz = DEFAULT_NS,
                 split_ok: Optional[SplitOk] = None, groups: Optional[tuple[int, ...]] = None,
                 col_blocks: Optional[list[int]] = None,
-                flops_per_byte: float = FLOPS_PER_BYTE) -> list[Round]:
+                flops_per_byte: float = FLOPS_PER_BYTE,
+                budget: Optional[float] = None) -> list[Round]:
   """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
 
   Each shape group runs in rounds of its own shape (no padding to another shape): whole
@@ -102,7 +135,9 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   `SPLIT_TOLERANCE` of the ideal (total flops / devices). Splits need `split_ok(item, g)`; `groups` are the
   group sizes the mesh can reduce over (default: powers of two); `col_blocks[i]` is the
   number of column blocks stack i lies in (default 1), which pads its column parts
-  (`padded_cols`).
+  (`padded_cols`). With a `budget` (float32 elements), every matrix of a shape whose
+  `working_set` whole exceeds it is split, over the fewest devices that fit it (at
+  least), whatever its flops.
   """
   split_ok = split_ok or (lambda item, g: True)
   groups = power_of_two_groups(devices) if groups is None else groups
@@ -112,10 +147,14 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
     by_shape.setdefault((rows, cols), []).extend((i, j) for j in range(count))
   # Largest shapes first: their rounds come first in the exchange buffers.
   order = sorted(by_shape, key=lambda shape: -_flops(*shape, ns))
-  rests = {shape: by_shape[shape][len(by_shape[shape]) // devices * devices:] for shape in order}
+  least = {shape: _least_split(items, *shape, devices, split_ok, groups, budget)
+           for shape, items in by_shape.items()}
+  # A shape that must be split is all rest: none of its matrices runs whole.
+  rests = {shape: by_shape[shape][0 if least[shape] > 1 else
+                                  len(by_shape[shape]) // devices * devices:] for shape in order}
   blocks = {shape: max(col_blocks[i] for i, _ in items) for shape, items in by_shape.items()}
   best = {shape: _best_split(rest, *shape, devices, ns, split_ok, groups, blocks[shape],
-                             flops_per_byte)
+                             flops_per_byte, least[shape])
           for shape, rest in rests.items() if rest}
   rest_flops = lambda shape, g: (math.ceil(len(rests[shape]) * g / devices)
                                  * split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
@@ -124,11 +163,13 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   saving = lambda shape: (rest_flops(shape, 1) - rest_flops(shape, best[shape])
                           - flops_per_byte * math.ceil(len(rests[shape]) * best[shape] / devices)
                           * split_bytes(shape[0], best[shape], ns))
-  split = dict.fromkeys(best, 1)
+  forced = {shape for shape in best if least[shape] > 1}
+  split = {shape: best[shape] if shape in forced else 1 for shape in best}
   ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
-  total = sum(len(by_shape[shape]) // devices * _flops(*shape, ns) for shape in order)
-  total += sum(rest_flops(shape, 1) for shape in best)
-  for shape in sorted(best, key=saving, reverse=True):
+  total = sum(len(by_shape[shape]) // devices * _flops(*shape, ns) for shape in order
+              if shape not in forced)
+  total += sum(rest_flops(shape, split[shape]) for shape in best)
+  for shape in sorted(set(best) - forced, key=saving, reverse=True):
     if total <= SPLIT_TOLERANCE * ideal or saving(shape) <= 0:
       break
     total += rest_flops(shape, best[shape]) - rest_flops(shape, 1)
@@ -154,7 +195,8 @@ def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
                      ns: NewtonSchulz = DEFAULT_NS, groups: Optional[tuple[int, ...]] = None,
                      split_ok: Optional[SplitOk] = None,
                      col_blocks: Optional[list[int]] = None,
-                     flops_per_byte: float = FLOPS_PER_BYTE) -> int:
+                     flops_per_byte: float = FLOPS_PER_BYTE,
+                     budget: Optional[float] = None) -> int:
   """Newton–Schulz flops each device runs under `plan_rounds`."""
   col_blocks = col_blocks or [1] * len(shapes)
   def flops(r: Round) -> int:
@@ -163,7 +205,7 @@ def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
     blocks = max(col_blocks[item[0]] for item in r.slots if item is not None)
     return split_flops(r.rows, padded_cols(r.cols, blocks, r.split), r.split, ns)
   return sum(flops(r) for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_blocks,
-                                           flops_per_byte))
+                                           flops_per_byte, budget))
 
 
 def prime_factors(n: int) -> list[int]:

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
 from muon_optax._distributed.layouts import shard_mapped, spec_axes
+from muon_optax._distributed.order import after
 from muon_optax._distributed.plan import (
   FLOPS_PER_BYTE,
   Round,
@@ -48,21 +49,6 @@ from muon_optax._distributed.plan import (
 )
 from muon_optax._distributed.stack_layout import Layout, by_blocks, layout_of, owned
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
-
-
-def after(tree, done):
-  """`tree`'s arrays, computed only once the arrays in `done` are: an exact data
-  dependence (x + 0 · the sum of their first elements, non-finite values read as 0)
-  that no compiler can drop, unlike an optimization barrier (which XLA's CPU pipeline
-  removes before it schedules), so that work done one part after another holds one
-  part's temporaries at a time. Pass few arrays, each one operation's output: the
-  sum is inlined wherever the result is used."""
-  scalars = [jnp.ravel(y)[:1].astype(jnp.float32) for y in jax.tree.leaves(done)]
-  if not scalars:
-    return tree
-  tie = jnp.sum(jnp.concatenate(scalars))
-  zero = jnp.where(jnp.isfinite(tie), tie, 0.0) * 0.0
-  return jax.tree.map(lambda x: x + zero.astype(x.dtype), tree)
 
 
 def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args):
@@ -90,8 +76,8 @@ class _Exchange:
   send back. Built once from the static plan; `run` does one exchange of some rounds."""
 
   def __init__(self, ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
-               outs: list[Layout], gather: bool):
-    self.ns_fn, self.split_ns, self.fmesh = ns_fn, split_ns, fmesh
+               outs: list[Layout], gather: bool, together: bool = True):
+    self.ns_fn, self.split_ns, self.fmesh, self.together = ns_fn, split_ns, fmesh, together
     self.shapes, self.dtypes, self.ins, self.outs, self.gather = shapes, dtypes, ins, outs, gather
     mesh = fmesh.mesh
     self.axes, self.n, self.sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
@@ -194,15 +180,15 @@ class _Exchange:
     return _switch(table, [self.assembler(i, r, plan.round_width[t]) for i in keys], self.axes,
                    self.sizes, recv[:, start:start + plan.width[t]])
 
-  @staticmethod
-  def units(plan: _Rounds) -> list[list[int]]:
+  def units(self, plan: _Rounds) -> list[list[int]]:
     """The rounds in the order their local work runs: a round of whole matrices alone (it
     has no collective inside, and one matrix's Newton–Schulz temporaries are live at a
-    time); the split rounds of one (shape, split) together, so that each of their
-    collectives (the Gram sums, the row-block gathers) serves all of them."""
+    time); the split rounds of one (shape, split) together (unless memory is capped:
+    `together`), so that each of their collectives (the Gram sums, the row-block
+    gathers) serves all of them."""
     units, split = [], {}
     for t, r in enumerate(plan.rounds):
-      if r.split == 1:
+      if r.split == 1 or not self.together:
         units.append([t])
       elif (r.rows, r.cols, r.split) in split:
         split[r.rows, r.cols, r.split].append(t)
@@ -308,16 +294,20 @@ class _Exchange:
 
 def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
               outs: list[Layout], gather: bool, cost: NewtonSchulz, chunks_of: int = 1,
-              flops_per_byte: float = FLOPS_PER_BYTE):
+              flops_per_byte: float = FLOPS_PER_BYTE, memory: Optional[float] = None):
   """The per-device body over all rounds, in `chunks_of` exchanges one after another, so
-  that only one's buffers are live at once."""
+  that only one's buffers are live at once; `memory` caps one matrix's working set, as
+  a multiple of these stacks' shard (`MeshLayout.memory`)."""
   def split_ok(item, g):
     i = item[0]
     return split_ns is not None and (gather or outs[i].grid == ins[i].grid)
 
-  rounds = plan_rounds(shapes, fmesh.mesh.size, cost, split_ok, fmesh.groups(),
-                       [lay.grid[1] for lay in ins], flops_per_byte)
-  exchange = _Exchange(ns_fn, split_ns, fmesh, shapes, dtypes, ins, outs, gather)
+  n = fmesh.mesh.size
+  budget = None if memory is None else memory * sum(math.prod(s) for s in shapes) / n
+  rounds = plan_rounds(shapes, n, cost, split_ok, fmesh.groups(), [lay.grid[1] for lay in ins],
+                       flops_per_byte, budget)
+  exchange = _Exchange(ns_fn, split_ns, fmesh, shapes, dtypes, ins, outs, gather,
+                       together=memory is None)
   parts = chunks(rounds, chunks_of)
 
   def lower(stacks):
@@ -423,7 +413,7 @@ def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
     return split_fn(x, g, lambda v, op: fmesh.group_reduce(v, op, g), rows=rows)
   lower = _exchange(ns_fn, None if split_fn is None else split_ns, fmesh, shapes,
                     [s.dtype for s in stacks], ins, outs, gather, cost, layout.exchanges,
-                    layout.flops_per_byte)
+                    layout.flops_per_byte, layout.memory)
   body = shard_mapped(lambda *xs: tuple(lower(list(xs))), fmesh.mesh,
                       tuple(lay.spec for lay in ins), tuple(lay.spec for lay in outs))
   return list(body(*stacks))

@@ -51,12 +51,34 @@ class RowBlocks(NamedTuple):
     gather: this part's rows of a matrix (rows on axis -2) -> the whole matrix.
     rows: a whole matrix (rows on axis -2) -> this part's rows.
     transposed: this part's rows of a matrix -> this part's rows of its transpose.
+    times: (rows of A, rows of B, matmul) -> these rows of A B, if it is not
+      matmul(rows of A, gather(rows of B)): a mesh forms B's whole columns a few at a
+      time, so that no whole m×m matrix is live.
+    applied: (rows of M, X's part, matmul) -> M X's part, if it is not
+      matmul(gather(rows of M), X's part): a mesh forms M a few rows at a time.
+    gram: (X's part, matmul) -> this part's rows of X Xᵀ, if it is not
+      sum_rows(matmul(X's part, its transpose)): a mesh sums a few rows at a time.
   """
 
   sum_rows: Callable[[jax.Array], jax.Array]
   gather: Callable[[jax.Array], jax.Array]
   rows: Callable[[jax.Array], jax.Array]
   transposed: Callable[[jax.Array], jax.Array]
+  times: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
+  applied: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
+  gram: Optional[Callable[[jax.Array, Callable], jax.Array]] = None
+
+  def apply(self, m, x, mm):
+    """M X (this part's columns), from this part's rows of M."""
+    return self.applied(m, x, mm) if self.applied else mm(self.gather(m), x)
+
+  def gram_rows(self, x, mm):
+    """This part's rows of X Xᵀ, summed over the column parts."""
+    return self.gram(x, mm) if self.gram else self.sum_rows(mm(x, _t(x)))
+
+  def product(self, a, b, mm):
+    """This part's rows of A B, from this part's rows of A and of B."""
+    return self.times(a, b, mm) if self.times else mm(a, self.gather(b))
 
 
 def _identity(x):
@@ -89,8 +111,18 @@ def _apply(scale, m, x, mm, blocks: RowBlocks, eye):
   keeping both X and M X live until the last of them. Without `eye` (16-bit operands)
   scale · X stays exact in float32."""
   if eye is not None:
-    return mm(blocks.gather(scale * eye + m), x)
-  return scale * x + mm(blocks.gather(m), x)
+    return blocks.apply(scale * eye + m, x, mm)
+  return scale * x + blocks.apply(m, x, mm)
+
+
+def _polynomial(r, b, c, mm, blocks: RowBlocks, eye):
+  """This part's rows of b R + c R². With `eye` (float32 operands), one product,
+  R (b I + c R), so that the result is a product's output which the compiler keeps, not
+  a sum it may fuse into every consumer, keeping the products it adds live; without
+  `eye` (16-bit operands), b R + c R R, b R exact in float32."""
+  if eye is not None:
+    return blocks.product(r, b * eye + c * r, mm)
+  return b * r + c * blocks.product(r, r, mm)
 
 
 def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks, eye):
@@ -98,9 +130,8 @@ def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks, eye):
   `r` is this part's rows of A for the first step when the preconditioner formed it;
   A and the polynomial are this part's rows (`blocks`), gathered whole where X needs."""
   for i, (a, b, c) in enumerate(coeffs):  # unrolled: steps is small and static
-    gram = r if i == 0 and r is not None else blocks.sum_rows(mm(x, _t(x)))
-    poly = b * gram + c * mm(gram, blocks.gather(gram))
-    x = _apply(a, poly, x, mm, blocks, eye)
+    gram = r if i == 0 and r is not None else blocks.gram_rows(x, mm)
+    x = _apply(a, _polynomial(gram, b, c, mm, blocks, eye), x, mm, blocks, eye)
   return x
 
 
@@ -112,29 +143,33 @@ def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks, fold: bool
   Only R_0 = X_0 X_0ᵀ and the final Q X touch the m×n matrix. At the start of each of
   the (start, stop) `parts` but the first, the state is rebuilt (X ← Q X, R ← X Xᵀ,
   Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products use float32
-  operands whatever the compute dtype. Q is kept as α I + D so that α X is applied
-  exactly, in float32 (with 16-bit operands; else `fold` applies Q in one product, see
-  `_apply`). R, D and every product are this part's rows (`blocks`): each step gathers
-  the whole R, D and P R once.
+  operands whatever the compute dtype. With 16-bit operands Q is kept as α I + D, so
+  that α X is applied exactly, in float32; else (`fold`) Q itself, each state matrix
+  then one product's output (see `_polynomial`, `_apply`). R, Q and every product are
+  this part's rows (`blocks`).
   """
   eye = blocks.rows(jnp.eye(x.shape[-2], dtype=jnp.float32))
+  folded = eye if fold else None
   alpha, d = 1.0, None  # Q = α I + D, set by the first step of the first segment
   for start, stop in parts:
     if start:
-      x = _apply(alpha, d, x, mm, blocks, eye if fold else None)
+      x = _apply(alpha, d, x, mm, blocks, folded)
     if start or r is None:
-      r = blocks.sum_rows(mm(x, _t(x)))
+      r = blocks.gram_rows(x, mm)
     segment = coeffs[start:stop]
     for i, (a, b, c) in enumerate(segment):
       if i:  # keep R symmetric as rounding drifts it
         r = 0.5 * (r + blocks.transposed(r))
-      whole = blocks.gather(r)
-      z = b * r + c * mm_f32(r, whole)
-      alpha, d = (a, z) if i == 0 else (a * alpha, a * d + alpha * z + mm_f32(z, blocks.gather(d)))
+      z = _polynomial(r, b, c, mm_f32, blocks, folded)
+      p = a * eye + z
+      if fold:  # Q = D: P_0, then P_k Q
+        alpha, d = 0.0, p if i == 0 else blocks.product(p, d, mm_f32)
+      else:
+        alpha, d = (a, z) if i == 0 else (a * alpha, a * d + alpha * z
+                                          + blocks.product(z, d, mm_f32))
       if i + 1 < len(segment):
-        p = a * eye + z
-        r = mm_f32(p, blocks.gather(mm_f32(p, whole)))
-  return _apply(alpha, d, x, mm, blocks, eye if fold else None)
+        r = blocks.product(p, blocks.product(p, r, mm_f32), mm_f32)
+  return _apply(alpha, d, x, mm, blocks, folded)
 
 
 def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
@@ -221,7 +256,7 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
   out, r = x.astype(acc), None
   if plan.precondition == "aol":
     out = _peak_normalize(out, reduce)
-    out, r = _aol(out, blocks.sum_rows(mm(out, _t(out))), blocks)
+    out, r = _aol(out, blocks.gram_rows(out, mm), blocks)
   else:
     out = _frobenius_normalize(out, ns.safety(), reduce)
   # With operands of 32 bits or more, a X + M X is applied as one product (`_apply`).
