@@ -63,7 +63,8 @@ TESTED_AS = {
     "_routing/describe": "test_routing", "checkpoint/_io": "test_checkpoint",
     "checkpoint/_checksum": "test_checkpoint_record", "checkpoint/_record": "test_checkpoint_record",
     "checkpoint/_files": "test_checkpoint_integrity", "_alias": "test_family",
-    "_distributed/sharded_ns": "test_distributed",
+    "_distributed/sharded_ns": "test_distributed", "_distributed/block_parts": "test_distributed",
+    "_distributed/in_place": "test_distributed",
 }
 UNTESTED = {"_version", "_util/types"}  # a version string and type aliases: nothing runs
 

@@ -37,7 +37,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from muon_optax._distributed.block_parts import blocks_in, blocks_out
 from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
+from muon_optax._distributed.in_place import in_place
 from muon_optax._distributed.layouts import shard_mapped, spec_axes
 from muon_optax._distributed.order import after
 from muon_optax._distributed.plan import (
@@ -155,7 +157,7 @@ class _Exchange:
       rows.append(jnp.concatenate(row) if row else jnp.zeros((0,), self.dtype))
     sliced = len(plan.blockwise) < len(plan.rounds)
     recv = jax.lax.all_to_all(jnp.stack(rows), self.axes, 0, 0, tiled=True) if sliced else None
-    by_block = _blocks_in({t: plan.rounds[t] for t in plan.blockwise}, stacks, self.fmesh,
+    by_block = blocks_in({t: plan.rounds[t] for t in plan.blockwise}, stacks, self.fmesh,
                           self.dtype)
     return recv, by_block
 
@@ -267,7 +269,7 @@ class _Exchange:
     parts = [x for t, x in enumerate(sent) if t not in plan.blockwise]
     back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), self.axes, 0, 0, tiled=True)
             if parts else None)
-    by_block, received = _blocks_out({t: plan.rounds[t] for t in plan.blockwise}, sent,
+    by_block, received = blocks_out({t: plan.rounds[t] for t in plan.blockwise}, sent,
                                      self.fmesh, self.dtype)
     offsets = np.cumsum([0] + plan.back_width)
 
@@ -321,70 +323,6 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
   return lower
 
 
-def _blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
-  """The block-mode rounds' exchange in, one all-to-all per split among the devices of a
-  residue: {round index: this device's column part (rows, cols / g)}. In such a round
-  the g devices q·g + p own part p of the round's matrix q, and device s sends its block
-  of matrix q to device q·g + s mod g."""
-  parts = {}
-  for g in sorted({rounds[t].split for t in rounds}):
-    members = [t for t in rounds if rounds[t].split == g]
-    classes = fmesh.mesh.size // g
-    lead = fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names) - len(fmesh.group_axes(g))]
-    first = lambda r: next(x for x in r.slots if x is not None)
-    rows = []
-    for q in range(classes):  # to the peer of residue class position q: its matrices
-      row = []
-      for t in members:
-        r, item = rounds[t], rounds[t].slots[q * g]
-        block = stacks[first(r)[0]].shape[1:]
-        row.append(jnp.zeros(block, dtype).reshape(-1) if item is None
-                   else stacks[item[0]][item[1]].astype(dtype).reshape(-1))
-      rows.append(jnp.concatenate(row))
-    recv = jax.lax.all_to_all(jnp.stack(rows), lead, 0, 0, tiled=True)  # row q: from q·g + p
-    start = 0
-    for t in members:
-      bh, bw = stacks[first(rounds[t])[0]].shape[1:]
-      x = recv[:, start:start + bh * bw].reshape(classes, bh, bw)
-      parts[t] = x.transpose(1, 0, 2).reshape(bh, classes * bw)
-      start += bh * bw
-  return parts
-
-
-def _blocks_out(rounds, results, fmesh: FactorMesh, dtype):
-  """The block-mode rounds' way back: each owner sends every device of its residue class
-  that device's block of its part: ({round index: this device's block of matrix q, by q},
-  the collectives' outputs)."""
-  back, received = {}, []
-  for g in sorted({rounds[t].split for t in rounds}):
-    members = [t for t in rounds if rounds[t].split == g]
-    classes = fmesh.mesh.size // g
-    lead = fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names) - len(fmesh.group_axes(g))]
-    chunks = [results[t].reshape(results[t].shape[0], classes, -1).transpose(1, 0, 2)
-              .reshape(classes, -1).astype(dtype) for t in members]
-    recv = jax.lax.all_to_all(jnp.concatenate(chunks, axis=1), lead, 0, 0, tiled=True)
-    received.append(recv)
-    start = 0
-    for t, chunk in zip(members, chunks):
-      rows_, bw = results[t].shape[0], results[t].shape[1] // classes
-      back[t] = recv[:, start:start + chunk.shape[1]].reshape(classes, rows_, bw)
-      start += chunk.shape[1]
-  return back, received
-
-
-def _in_place(ns_fn, fmesh: FactorMesh, x, spec: P, out_spec: Optional[P]):
-  """An owned stack orthogonalized where it lies, with no exchange; all-gathered if it is
-  wanted replicated (`out_spec` None), else laid out as `out_spec`."""
-  spec = fmesh.spec(P(*(list(spec) + [None] * 3)[:3]))
-  axes = spec_axes(spec[0])
-  gather = out_spec is None
-  body = (lambda b: jax.lax.all_gather(ns_fn(b), axes, axis=0, tiled=True)) if gather else ns_fn
-  y = shard_mapped(body, fmesh.mesh, (spec,), P() if gather else spec)(x)
-  if not gather and fmesh.spec(out_spec) != spec:
-    y = jax.lax.with_sharding_constraint(y, NamedSharding(fmesh.mesh, fmesh.spec(out_spec)))
-  return y
-
-
 def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
   """The exchange of `stacks` (lying in `specs`, over the layout's mesh) as a shard_map
   over the factor mesh, its results laid out in `out_specs` (or replicated). Owned stacks
@@ -398,7 +336,7 @@ def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
                             [specs[k] for k in rest],
                             None if out_specs is None else [out_specs[k] for k in rest])
                  if rest else [])
-    return [_in_place(ns_fn, fmesh, x, spec, out) if m else next(moved)
+    return [in_place(ns_fn, fmesh, x, spec, out) if m else next(moved)
             for x, spec, out, m in zip(stacks, specs, wanted, mine)]
   shapes = [tuple(s.shape) for s in stacks]
   ins = [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
