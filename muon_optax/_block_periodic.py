@@ -182,7 +182,10 @@ def orthogonalize_blocks(
     raise ValueError("BlockPeriodic(devices=None) takes its blocks from a mesh: pass mesh=, "
                      "or devices= the number of devices whose blocks to use.")
   full = orthogonalize(ns, routing=routing, mesh=mesh)
-  solve = grouped_solver(ns.fn or functools.partial(newton_schulz, ns=ns))
+  # On a mesh each device's blocks run in as many parts as the full step's exchanges,
+  # one after another, to bound their memory alike.
+  solve = grouped_solver(ns.fn or functools.partial(newton_schulz, ns=ns),
+                         parts=1 if layout is None else layout.exchanges)
   period = blocks.period
 
   def block_step(updates, params):

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.layouts import data_spec, explicit_spec, stack_spec
 from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._distributed.order import after
 from muon_optax._distributed.sharded_ns import sharded_solver
 from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
@@ -47,18 +48,31 @@ def _from_wide(stack: jax.Array, wide: _Wide, shape: tuple[int, ...]) -> jax.Arr
 Solver = Callable[..., list[jax.Array]]
 
 
-def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array]) -> Solver:
+def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> Solver:
   """One `ns_fn` call per (rows, cols, dtype) group: same-shape matrices are
-  concatenated into a single batch, which equals orthogonalizing them one by one."""
+  concatenated into a single batch, which equals orthogonalizing them one by one. With
+  `parts` > 1 a group's stacks are batched in runs of at most 1/parts of all the
+  elements, and the runs go one after another, each once the last one's result is
+  computed (`after`), so that one run's Newton–Schulz temporaries are live at a time."""
 
   def solve(wides, leaves=None, likes=None, specs=None):
     stacks = [w.stack for w in wides]
     groups = {}
     for i, s in enumerate(stacks):
       groups.setdefault((*s.shape[1:], s.dtype), []).append(i)
-    out = [None] * len(stacks)
+    most = sum(s.size for s in stacks) / parts
+    runs = []
     for members in groups.values():
-      batch = ns_fn(jnp.concatenate([stacks[i] for i in members]))
+      runs.append([])
+      for i in members:
+        if runs[-1] and sum(stacks[j].size for j in runs[-1]) + stacks[i].size > most:
+          runs.append([])
+        runs[-1].append(i)
+    out, last = [None] * len(stacks), []
+    for members in runs:
+      batch = jnp.concatenate([stacks[i] for i in members])
+      batch = ns_fn(after(batch, last) if parts > 1 else batch)
+      last = [batch]
       start = 0
       for i in members:
         out[i] = batch[start:start + stacks[i].shape[0]]
