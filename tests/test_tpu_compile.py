@@ -97,13 +97,15 @@ def test_a_two_dimensional_mesh_compiles_for_tpu(chips):
   assert sum(n for n, _ in stats.values()) <= 3, stats
 
 
-def test_split_matrices_compile_for_tpu(chips):
-  # Two matrices for eight chips: each is split by columns over four of them, whose
-  # Gram sums and whole m×m matrices are collectives over the group, in their own scope.
+@pytest.mark.parametrize("how", [{"flops_per_byte": 0}, {"memory": 0.5}])
+def test_split_matrices_compile_for_tpu(chips, how):
+  # Two matrices for eight chips: each is split by columns over four of them (balancing
+  # flops alone, or capped for memory: then over all eight), whose Gram sums and m×m
+  # blocks are collectives over the group, in their own scope.
   mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   params = {"a": {"kernel": s(128, 512)}, "b": {"kernel": s(512, 128)}}
-  tx = mo.muon(0.02, mesh=mo.MeshLayout(mesh, flops_per_byte=0))  # split, whatever it costs
+  tx = mo.muon(0.02, mesh=mo.MeshLayout(mesh, **how))  # split, whatever it costs
   text = compile_update(tx, params, mesh, "fsdp").as_text()
   count = lambda stats: sum(n for n, _ in stats.values())
   assert count(collective_stats(text)) > count(collective_stats(text, outside=SHARED_MATRIX_SCOPE))
