@@ -97,13 +97,13 @@ class FactorMesh(NamedTuple):
 
     def times(a, b, mm):
       # a's rows of A B, B's whole columns gathered one block at a time, each once the
-      # last block's product is done (so that only one is live, and a second product
-      # with the same B gathers its own instead of keeping these).
+      # last block's product is done (the first once A is): so that only one is live,
+      # and a second product with the same B gathers its own instead of keeping these.
       k = math.gcd(PRODUCT_CHUNKS, b.shape[-1])
       w, out = b.shape[-1] // k, []
       for c in range(k):
         block = b[..., c * w:(c + 1) * w]
-        out.append(mm(a, gather(after(block, out[-1:]))))
+        out.append(mm(a, gather(after(block, out[-1:] or [a]))))
       return jnp.concatenate(out, axis=-1)
 
     summed = lambda x: jax.lax.psum_scatter(x, axes, scatter_dimension=x.ndim - 2, tiled=True)
