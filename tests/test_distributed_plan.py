@@ -6,9 +6,12 @@ import pytest
 
 import muon_optax as mo
 from muon_optax._distributed.plan import (
+  CHUNKED_ABOVE_ROWS,
+  PRODUCT_CHUNKS,
   SPLIT_TOLERANCE,
   per_device_flops,
   plan_rounds,
+  product_chunks,
   rows_split,
   split_flops,
   working_set,
@@ -109,3 +112,14 @@ def test_a_memory_budget_splits_every_matrix_until_its_work_fits():
     assert all(r.split == 1 for r in rounds if r.rows == 16)  # these fit whole
   # A budget no split can meet: the largest split there is.
   assert {r.split for r in plan_rounds(shapes, 8, budget=1) if r.rows == 64} == {8}
+
+
+def test_only_large_shared_matrices_form_their_products_in_blocks():
+  # Blocks bound the m×m gathered for a product where it is large; a small one is
+  # gathered whole (fewer collectives), and the working set counts it whole.
+  big, small = CHUNKED_ABOVE_ROWS * 2, CHUNKED_ABOVE_ROWS // 2
+  assert product_chunks(big) == PRODUCT_CHUNKS and product_chunks(small) == 1
+  assert product_chunks(small, chunked_above=0) == PRODUCT_CHUNKS
+  for rows in (big, small):
+    square, part = rows * rows, rows * 4 * rows / 8
+    assert working_set(rows, 4 * rows, 8) == 2 * part + 4 * square / 8 + square / product_chunks(rows)

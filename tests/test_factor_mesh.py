@@ -70,12 +70,13 @@ def test_row_blocks_of_a_group(g):
 
 @pytest.mark.parametrize("g", [2, 4, 8])
 @pytest.mark.parametrize("cols", [8, 64])  # narrow parts: M X in blocks of rows; wide: whole
-def test_row_block_products_a_block_at_a_time(g, cols):
+@pytest.mark.parametrize("chunked_above", [0, 32])  # formed in blocks; whole (m = 32)
+def test_row_block_products_a_block_at_a_time(g, cols, chunked_above):
   # The products of a shared matrix's row blocks, formed a few columns (or rows) at a
-  # time, equal the whole-matrix products, exactly (small-integer entries).
+  # time or whole, equal the whole-matrix products, exactly (small-integer entries).
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   factors = FactorMesh.of(mesh)
-  blocks = factors.row_blocks(g)
+  blocks = factors.row_blocks(g, chunked_above)
   m = 32
   key_a, key_b, key_x = jax.random.split(jax.random.key(1), 3)
   a, b = (jax.random.randint(k, (m, m), -3, 4).astype(jnp.float32) for k in (key_a, key_b))

@@ -13,7 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.layouts import spec_axes
 from muon_optax._distributed.order import after
-from muon_optax._distributed.plan import PRODUCT_CHUNKS, group_sizes, prime_factors
+from muon_optax._distributed.plan import (
+  CHUNKED_ABOVE_ROWS,
+  group_sizes,
+  prime_factors,
+  product_chunks,
+)
 from muon_optax._newton_schulz.iteration import RowBlocks
 
 # The collectives of a matrix shared by a group of devices (its Gram sums and the whole
@@ -76,11 +81,13 @@ class FactorMesh(NamedTuple):
     with jax.named_scope(SHARED_MATRIX_SCOPE):
       return jax.lax.pmax(x, axes) if op is jnp.maximum else jax.lax.psum(x, axes)
 
-  def row_blocks(self, g: int) -> RowBlocks:
+  def row_blocks(self, g: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> RowBlocks:
     """The m×m matrices of a matrix shared by g devices, one block of rows on each
     (see `newton_schulz_column_parts`): Gram sums reduce-scattered, whole matrices
-    all-gathered, both over the group."""
+    all-gathered, both over the group; the products of matrices with more rows than
+    `chunked_above` formed a few blocks at a time (`product_chunks`)."""
     axes = self.group_axes(g)
+    chunks = lambda rows: product_chunks(rows, chunked_above)
 
     def rows(x):
       h, axis = x.shape[-2] // g, x.ndim - 2
@@ -99,7 +106,9 @@ class FactorMesh(NamedTuple):
       # a's rows of A B, B's whole columns gathered one block at a time, each once the
       # last block's product is done (the first once A is): so that only one is live,
       # and a second product with the same B gathers its own instead of keeping these.
-      k = math.gcd(PRODUCT_CHUNKS, b.shape[-1])
+      k = math.gcd(chunks(b.shape[-1]), b.shape[-1])
+      if k == 1:  # a small B, gathered whole: products with the same B share it
+        return mm(a, gather(b))
       w, out = b.shape[-1] // k, []
       for c in range(k):
         block = b[..., c * w:(c + 1) * w]
@@ -114,7 +123,7 @@ class FactorMesh(NamedTuple):
       # The blocks are then put together in a new X-sized array: worth it only where
       # that is smaller than the (k - 1) / k of the m×m it saves.
       batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
-      k = math.gcd(PRODUCT_CHUNKS, h)
+      k = math.gcd(chunks(a.shape[-1]), h)
       if n >= a.shape[-1] * (k - 1) // k:
         return mm(gather(a), x)
       sub, out = a.reshape(*batch, k, h // k, a.shape[-1]), []
@@ -128,7 +137,7 @@ class FactorMesh(NamedTuple):
       # (sub-block c of each of the g row blocks), so that its reduce-scatter hands each
       # part its own rows c; each once the last block's sum is done.
       batch, (m, n) = x.shape[:-2], x.shape[-2:]
-      k = math.gcd(PRODUCT_CHUNKS, m // g)
+      k = math.gcd(chunks(m), m // g)
       sub, out = x.reshape(*batch, g, k, m // g // k, n), []
       for c in range(k):
         block = after(sub[..., c, :, :].reshape(*batch, m // k, n), out[-1:])

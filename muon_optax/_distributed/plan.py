@@ -44,6 +44,14 @@ def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
 # An m×m product of a shared matrix forms the whole right factor this many column
 # blocks at a time (`FactorMesh.row_blocks`): one block is live, never the whole m×m.
 PRODUCT_CHUNKS = 4
+# ... where the matrix has more rows than this: below, a whole m×m (16 MB in float32)
+# is small beside any device's memory, and each block would add its own collectives.
+CHUNKED_ABOVE_ROWS = 2048
+
+
+def product_chunks(rows: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
+  """How many blocks an m×m product of a shared matrix with `rows` rows is formed in."""
+  return PRODUCT_CHUNKS if rows > chunked_above else 1
 
 
 def working_set(rows: int, cols: int, split: int) -> float:
@@ -53,7 +61,7 @@ def working_set(rows: int, cols: int, split: int) -> float:
   whole m×m gathered for a product."""
   part, square = rows * cols / split, rows * rows
   if rows_split(rows, split):
-    return 2 * part + 4 * square / split + square / PRODUCT_CHUNKS
+    return 2 * part + 4 * square / split + square / product_chunks(rows)
   return 2 * part + 4 * square
 
 
