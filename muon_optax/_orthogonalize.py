@@ -116,7 +116,9 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
   """The solver of `ns` (a `NewtonSchulz` or a preset name): on one device, or dealt over
   `mesh`. `around(ns_fn)`, if given, is the function each whole stack goes through
   instead of Newton–Schulz (a selection around it); such stacks are never split."""
-  ns = as_newton_schulz(ns)
+  ns, layout = as_newton_schulz(ns), as_mesh_layout(mesh)
+  if layout is not None and ns.fn is None:  # the defaults of the platform it runs on
+    ns = ns.on(layout.platform)
   if ns.fn is None:
     ns_fn = functools.partial(newton_schulz, ns=ns)
     split_fn = functools.partial(newton_schulz_column_parts, ns=ns)
@@ -125,7 +127,6 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
     ns_fn, split_fn, cost = ns.fn, None, NewtonSchulz("jordan", gram=False)
   if around is not None:
     ns_fn, split_fn = around(ns_fn), None
-  layout = as_mesh_layout(mesh)
   return grouped_solver(ns_fn) if layout is None else mesh_solver(ns_fn, split_fn, cost, layout)
 
 

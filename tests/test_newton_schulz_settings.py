@@ -60,3 +60,13 @@ def test_settings_are_one_comparable_value():
   assert NS(compute_dtype="float32") == NS(compute_dtype=jnp.float32)
   assert hash(NS("turbo")) == hash(NS())
 
+
+
+def test_auto_operands_and_precision_fixed_for_a_platform():
+  # What runs on a mesh takes the defaults of the mesh's devices, not jax's backend.
+  tpu, cpu = mo.NewtonSchulz().on("tpu"), mo.NewtonSchulz().on("cpu")
+  assert (tpu.dtype(), tpu.matmul_precision("cpu")) == (jnp.bfloat16, jax.lax.Precision.DEFAULT)
+  assert (cpu.dtype("tpu"), cpu.matmul_precision("tpu")) == (jnp.float32,
+                                                              jax.lax.Precision.HIGHEST)
+  given = mo.NewtonSchulz(compute_dtype="float32", precision="high")
+  assert given.on("tpu") == given  # settings given stay as given

@@ -38,6 +38,10 @@ def gpt_tree(layers=8, d=128):
 
 
 def compile_update(tx, params, mesh, kind, data_axis="data"):
+  return lower_update(tx, params, mesh, kind, data_axis).compile()
+
+
+def lower_update(tx, params, mesh, kind, data_axis="data"):
   shard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if kind == "zero1"
            else mo.fsdp_shardings(params, mesh, data_axis=data_axis))
   params = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
@@ -46,7 +50,7 @@ def compile_update(tx, params, mesh, kind, data_axis="data"):
   state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
                        jax.eval_shape(tx.init, params), shardings)
   step = jax.jit(tx.update, out_shardings=(shard, shardings))
-  return step.lower(params, state, params).compile()
+  return step.lower(params, state, params)
 
 
 @pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit])
@@ -138,3 +142,12 @@ def test_the_collective_count_does_not_grow_with_the_layers_on_tpu(chips, name):
     counts.append({op: n for op, (n, _) in stats.items() if n})
   assert counts[0] == counts[1], counts
   assert sum(counts[0].values()) <= 8, counts
+
+
+def test_newton_schulz_takes_the_defaults_of_the_mesh_platform(chips):
+  # jax's default backend is the CPU here, but the update runs on the mesh's TPU chips:
+  # its products take TPU's defaults, bfloat16 operands (float32 on a CPU mesh).
+  mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
+  text = lower_update(mo.muon(0.02, mesh=mesh), gpt_tree(layers=2), mesh, "fsdp").as_text()
+  products = [line for line in text.splitlines() if "dot_general" in line]
+  assert products and any("bf16" in line for line in products)

@@ -71,6 +71,12 @@ class MeshLayout:
     object.__setattr__(self, "data_axis", data_axes(self.mesh, axis))
 
   @property
+  def platform(self) -> str:
+    """The platform of the mesh's devices ("cpu", "gpu", "tpu"), whose defaults
+    Newton–Schulz takes on this mesh."""
+    return self.mesh.devices.flat[0].platform
+
+  @property
   def explicit(self) -> bool:
     return is_explicit(self.mesh)
 

@@ -104,15 +104,23 @@ def _aol(x: jax.Array, r: jax.Array, blocks: RowBlocks) -> tuple[jax.Array, jax.
   return scale * x, s * r * _t(scale)
 
 
+def _kept(total: jax.Array) -> jax.Array:
+  """A sum of products, computed once and kept: without the barrier a compiler may fuse
+  the sum into each of its consumers, holding every term live until the last of them
+  (XLA's GPU and TPU pipelines keep the barrier; its CPU pipeline drops it, where
+  operands are 32-bit by default and sums are folded into one product instead)."""
+  return jax.lax.optimization_barrier(total)
+
+
 def _apply(scale, m, x, mm, blocks: RowBlocks, eye):
   """(scale · I + M) X, M being this part's rows. With `eye` (this part's rows of I,
   float32 operands) it is one product, so that X's old value dies with it: written
   scale · X + M X, the compiler may fuse that sum into each of the result's consumers,
   keeping both X and M X live until the last of them. Without `eye` (16-bit operands)
-  scale · X stays exact in float32."""
+  scale · X stays exact in float32, and the sum is kept (`_kept`)."""
   if eye is not None:
     return blocks.apply(scale * eye + m, x, mm)
-  return scale * x + blocks.apply(m, x, mm)
+  return _kept(scale * x + blocks.apply(m, x, mm))
 
 
 def _polynomial(r, b, c, mm, blocks: RowBlocks, eye):
@@ -122,7 +130,7 @@ def _polynomial(r, b, c, mm, blocks: RowBlocks, eye):
   `eye` (16-bit operands), b R + c R R, b R exact in float32."""
   if eye is not None:
     return blocks.product(r, b * eye + c * r, mm)
-  return b * r + c * blocks.product(r, r, mm)
+  return _kept(b * r + c * blocks.product(r, r, mm))
 
 
 def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks, eye):
@@ -165,8 +173,8 @@ def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks, fold: bool
       if fold:  # Q = D: P_0, then P_k Q
         alpha, d = 0.0, p if i == 0 else blocks.product(p, d, mm_f32)
       else:
-        alpha, d = (a, z) if i == 0 else (a * alpha, a * d + alpha * z
-                                          + blocks.product(z, d, mm_f32))
+        alpha, d = (a, z) if i == 0 else (a * alpha, _kept(a * d + alpha * z
+                                                + blocks.product(z, d, mm_f32)))
       if i + 1 < len(segment):
         r = blocks.product(p, blocks.product(p, r, mm_f32), mm_f32)
   return _apply(alpha, d, x, mm, blocks, folded)

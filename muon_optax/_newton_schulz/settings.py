@@ -212,6 +212,12 @@ class NewtonSchulz:
       return jnp.dtype(jnp.float32 if _backend(backend) == "cpu" else jnp.bfloat16)
     return self.compute_dtype
 
+  def on(self, backend: str) -> NewtonSchulz:
+    """These settings with "auto" operands and precision fixed for `backend`: what runs
+    on a mesh of that platform's devices, whatever jax's default backend is."""
+    return dataclasses.replace(self, compute_dtype=self.dtype(backend),
+                               precision=self.matmul_precision(backend))
+
   def matmul_precision(self, backend: Optional[str] = None) -> jax.lax.Precision:
     """HIGHEST on CPU (free there), DEFAULT on accelerators, where HIGHEST makes float32
     cost several bfloat16 passes (TPU) or turns off TF32 (GPU); or the given one."""
