@@ -107,6 +107,7 @@ class FactorMesh(NamedTuple):
       # last block's product is done (the first once A is): so that only one is live,
       # and a second product with the same B gathers its own instead of keeping these.
       k = math.gcd(chunks(b.shape[-1]), b.shape[-1])
+      b = mm.operand(b)  # gathered as the product reads it
       if k == 1:  # a small B, gathered whole: products with the same B share it
         return mm(a, gather(b))
       w, out = b.shape[-1] // k, []
@@ -124,6 +125,7 @@ class FactorMesh(NamedTuple):
       # that is smaller than the (k - 1) / k of the m×m it saves.
       batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
       k = math.gcd(chunks(a.shape[-1]), h)
+      a = mm.operand(a)  # gathered as the product reads it
       if n >= a.shape[-1] * (k - 1) // k:
         return mm(gather(a), x)
       sub, out = a.reshape(*batch, k, h // k, a.shape[-1]), []

@@ -72,9 +72,11 @@ FLOPS_PER_BYTE = 750
 
 def split_bytes(rows: int, split: int, ns: NewtonSchulz) -> float:
   """Bytes one device of a group of `split` receives to share a matrix of `rows` rows:
-  per step, about three m×m transfers (the Gram sum reduce-scattered into row blocks, and
-  whole m×m matrices gathered from them), each (g − 1)/g of the m×m matrix, in float32."""
-  return 3 * ns.num_steps() * (split - 1) / split * rows * rows * 4 if split > 1 else 0.0
+  per step, about three m×m transfers, each (g − 1)/g of the m×m matrix: the Gram sum
+  reduce-scattered into row blocks, in float32, and two whole m×m matrices gathered
+  from them as the products read them (`ns.dtype()`: 16-bit operands halve them)."""
+  per_element = 4 + 2 * ns.dtype().itemsize
+  return ns.num_steps() * (split - 1) / split * rows * rows * per_element if split > 1 else 0.0
 
 
 def power_of_two_groups(devices: int) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,24 @@ def _frobenius_normalize(x: jax.Array, safety: float, reduce: Reduce = _whole) -
   return x / jnp.where(norm > 0, norm, 1)
 
 
+class Matmul(NamedTuple):
+  """a @ b with its operands in `operands` and the products accumulated in `accumulate`
+  (float32 or wider)."""
+
+  operands: Any
+  accumulate: Any
+  precision: Any = None
+
+  def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(self.operand(a), self.operand(b), precision=self.precision,
+                      preferred_element_type=self.accumulate)
+
+  def operand(self, x: jax.Array) -> jax.Array:
+    """x as the product reads it: what a collective gathering an operand moves, exactly
+    (half the bytes with 16-bit operands)."""
+    return x.astype(self.operands)
+
+
 class RowBlocks(NamedTuple):
   """How the m×m matrices of the iteration are held when X is split by columns over
   some devices: each keeps one block of their rows, and gathers a whole matrix only
@@ -68,17 +86,17 @@ class RowBlocks(NamedTuple):
   applied: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
   gram: Optional[Callable[[jax.Array, Callable], jax.Array]] = None
 
-  def apply(self, m, x, mm):
+  def apply(self, m, x, mm: Matmul):
     """M X (this part's columns), from this part's rows of M."""
-    return self.applied(m, x, mm) if self.applied else mm(self.gather(m), x)
+    return self.applied(m, x, mm) if self.applied else mm(self.gather(mm.operand(m)), x)
 
   def gram_rows(self, x, mm):
     """This part's rows of X Xᵀ, summed over the column parts."""
     return self.gram(x, mm) if self.gram else self.sum_rows(mm(x, _t(x)))
 
-  def product(self, a, b, mm):
+  def product(self, a, b, mm: Matmul):
     """This part's rows of A B, from this part's rows of A and of B."""
-    return self.times(a, b, mm) if self.times else mm(a, self.gather(b))
+    return self.times(a, b, mm) if self.times else mm(a, self.gather(mm.operand(b)))
 
 
 def _identity(x):
@@ -257,9 +275,7 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
   # Scale in at least float32 so that scale invariance holds for 16-bit inputs too.
   acc = jnp.promote_types(x.dtype, jnp.float32)
 
-  def mm(a, b, dtype=cdt):  # float32 (or wider) accumulation, operands in `dtype`
-    return jnp.matmul(a.astype(dtype), b.astype(dtype), precision=precision,
-                      preferred_element_type=acc)
+  mm = Matmul(cdt, acc, precision)
 
   out, r = x.astype(acc), None
   if plan.precondition == "aol":
@@ -270,7 +286,7 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
   # With operands of 32 bits or more, a X + M X is applied as one product (`_apply`).
   fold = cdt.itemsize >= 4
   if plan.variant == "gram":
-    out = _gram_iterate(out, r, coeffs, mm, lambda a, b: mm(a, b, acc), plan.segments, blocks,
+    out = _gram_iterate(out, r, coeffs, mm, Matmul(acc, acc, precision), plan.segments, blocks,
                         fold)
   else:
     eye = blocks.rows(jnp.eye(shape[0], dtype=acc)) if fold else None
