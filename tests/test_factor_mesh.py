@@ -72,9 +72,12 @@ def test_row_blocks_of_a_group(g):
 @pytest.mark.parametrize("g", [2, 4, 8])
 @pytest.mark.parametrize("cols", [8, 64])  # narrow parts: M X in blocks of rows; wide: whole
 @pytest.mark.parametrize("chunked_above", [0, 32])  # formed in blocks; whole (m = 32)
-def test_row_block_products_a_block_at_a_time(g, cols, chunked_above):
+@pytest.mark.parametrize("operands", ["float32", "bfloat16"])
+def test_row_block_products_a_block_at_a_time(g, cols, chunked_above, operands):
   # The products of a shared matrix's row blocks, formed a few columns (or rows) at a
-  # time or whole, equal the whole-matrix products, exactly (small-integer entries).
+  # time or whole, equal the whole-matrix products, exactly (small-integer entries, exact
+  # in 16 bits too). An m×m factor is gathered as the product reads it: in 16 bits with
+  # 16-bit operands, half the bytes.
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   factors = FactorMesh.of(mesh)
   blocks = factors.row_blocks(g, chunked_above)
@@ -82,34 +85,7 @@ def test_row_block_products_a_block_at_a_time(g, cols, chunked_above):
   key_a, key_b, key_x = jax.random.split(jax.random.key(1), 3)
   a, b = (jax.random.randint(k, (m, m), -3, 4).astype(jnp.float32) for k in (key_a, key_b))
   parts = jax.random.randint(key_x, (8, m, cols), -3, 4).astype(jnp.float32)
-  mm = Matmul(jnp.float32, jnp.float32, jax.lax.Precision.HIGHEST)
-
-  def body(x):
-    x, ra, rb = x[0], blocks.rows(a), blocks.rows(b)
-    return (blocks.product(ra, rb, mm)[None], blocks.apply(ra, x, mm)[None],
-            blocks.gram_rows(x, mm)[None])
-
-  spec = P(factors.mesh.axis_names)
-  times, applied, gram = jax.jit(shard_mapped(body, factors.mesh, (spec,), (spec,) * 3))(parts)
-  h = m // g
-  for d in range(8):
-    group, rows = range(d // g * g, d // g * g + g), slice(d % g * h, d % g * h + h)
-    np.testing.assert_array_equal(times[d], (a @ b)[rows])
-    np.testing.assert_array_equal(applied[d], a @ parts[d])
-    np.testing.assert_array_equal(gram[d], sum(parts[k] @ parts[k].T for k in group)[rows])
-
-
-@pytest.mark.parametrize("chunked_above", [0, 32])
-def test_row_blocks_gather_what_the_product_reads(chunked_above):
-  # With 16-bit operands, an m×m factor is gathered in 16 bits, half the bytes, and the
-  # products are those of the casts gathered in 32 (small integers: exact either way).
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  factors, g, m = FactorMesh.of(mesh), 4, 32
-  blocks = factors.row_blocks(g, chunked_above)
-  key_a, key_b, key_x = jax.random.split(jax.random.key(2), 3)
-  a, b = (jax.random.randint(k, (m, m), -3, 4).astype(jnp.float32) for k in (key_a, key_b))
-  parts = jax.random.randint(key_x, (8, m, 8), -3, 4).astype(jnp.float32)
-  mm = Matmul(jnp.bfloat16, jnp.float32)
+  mm = Matmul(jnp.dtype(operands), jnp.float32, jax.lax.Precision.HIGHEST)
 
   def body(x):
     x, ra, rb = x[0], blocks.rows(a), blocks.rows(b)
@@ -118,13 +94,16 @@ def test_row_blocks_gather_what_the_product_reads(chunked_above):
 
   spec = P(factors.mesh.axis_names)
   fn = jax.jit(shard_mapped(body, factors.mesh, (spec,), (spec,) * 3))
-  times, applied, _ = fn(parts)
+  times, applied, gram = fn(parts)
   h = m // g
   for d in range(8):
-    rows = slice(d % g * h, d % g * h + h)
+    group, rows = range(d // g * g, d // g * g + g), slice(d % g * h, d % g * h + h)
     np.testing.assert_array_equal(times[d], (a @ b)[rows])
     np.testing.assert_array_equal(applied[d], a @ parts[d])
+    np.testing.assert_array_equal(gram[d], sum(parts[k] @ parts[k].T for k in group)[rows])
   # The program as asked for (a CPU compiler widens 16-bit collectives again; TPU's and
   # GPU's move them as they are).
+  mlir = {"float32": "f32", "bfloat16": "bf16"}
   gathers = [line for line in fn.lower(parts).as_text().splitlines() if "all_gather" in line]
-  assert gathers and all("bf16" in line and "f32" not in line for line in gathers)
+  assert gathers and all(mlir[operands] in line for line in gathers)
+  assert not any(mlir[other] in line for line in gathers for other in mlir if other != operands)
