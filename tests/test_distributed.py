@@ -164,6 +164,27 @@ def test_fewer_matrices_than_devices_split_and_match_single_device(layout):
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_rounds_of_one_shape_in_different_splits_match_single_device(layout):
+  # 3 matrices on 8 devices: one split over pairs would leave 2 devices idle; two over
+  # groups of 4, then one over all 8, keep every device busy at the ideal flops.
+  mesh = mesh_of()
+  ks = jax.random.split(jax.random.key(5), 3)
+  params = {"a": {"kernel": jax.random.normal(ks[0], (32, 128)) * 0.1},
+            "b": {"kernel": jax.random.normal(ks[1], (128, 32)) * 0.1},  # transposed
+            "c": {"kernel": jax.random.normal(ks[2], (32, 128)) * 0.1}}
+  shapes = [(1, 32, 128)] * 3
+  rounds = plan_rounds(shapes, 8, flops_per_byte=FLOPS_ALONE)
+  assert [r.split for r in rounds] == [4, 8]
+  assert all(None not in r.slots for r in rounds)
+  assert per_device_flops(shapes, 8, flops_per_byte=FLOPS_ALONE) == 3 * newton_schulz_flops(32, 128) // 8
+  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
+            else mo.fsdp_shardings(params, mesh))
+  want_p, _ = run_steps(optimizer(), params, 5)
+  got_p, _ = run_steps(optimizer(placed(mesh, layout)), params, 5, (mesh, pshard))
+  assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
+
+
 def narrow_blocks_tree():
   """Columns split in blocks narrower than the parts the plan cuts them into: 24 and 40
   columns over 8 devices are blocks of 3 and 5, cut into zero-padded slices."""

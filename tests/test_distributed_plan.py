@@ -9,6 +9,7 @@ from muon_optax._distributed.plan import (
   CHUNKED_ABOVE_ROWS,
   PRODUCT_CHUNKS,
   SPLIT_TOLERANCE,
+  matmul_passes,
   per_device_flops,
   plan_rounds,
   product_chunks,
@@ -50,6 +51,36 @@ def test_full_rounds_stay_whole_and_the_rest_is_split_to_fill_the_devices():
   assert all(None not in r.slots for r in rounds)
   flops = per_device_flops([(12, 64, 256)], 8, flops_per_byte=0)
   assert flops == pytest.approx(ideal([(12, 64, 256)], 8), rel=1e-6)
+
+
+def test_rounds_of_different_splits_fill_the_devices():
+  # 96 wide matrices on 256 devices: pairs would leave 64 devices idle (4/3 of the
+  # ideal); 64 over groups of 4, then 32 over groups of 8, fill every device.
+  shapes = [(96, 4096, 14336)]
+  rounds = plan_rounds(shapes, 256, flops_per_byte=0)
+  assert sorted(r.split for r in rounds) == [4, 8]
+  assert all(None not in r.slots for r in rounds)
+  covers_every_matrix_once(shapes, rounds)
+  assert per_device_flops(shapes, 256, flops_per_byte=0) == pytest.approx(ideal(shapes, 256),
+                                                                          rel=1e-6)
+
+
+def test_traffic_is_weighed_in_16_bit_matmul_flops():
+  # float32 operands at HIGHEST precision run as six bfloat16 passes, at HIGH as three:
+  # a byte costs that many times fewer of their flops.
+  f32 = mo.NewtonSchulz(compute_dtype="float32", precision="highest")
+  assert matmul_passes(f32) == 6
+  assert matmul_passes(mo.NewtonSchulz(compute_dtype="float32", precision="high")) == 3
+  assert matmul_passes(mo.NewtonSchulz(compute_dtype="bfloat16", precision="highest")) == 1
+  assert matmul_passes(mo.NewtonSchulz(compute_dtype="float32", precision="default")) == 1
+  shapes = [(96, 4096, 14336), (64, 4096, 4096)]
+  same_time = dict(compute_dtype="float32", precision="default")
+  assert (plan_rounds(shapes, 256, f32, flops_per_byte=600)
+          == plan_rounds(shapes, 256, mo.NewtonSchulz(**same_time), flops_per_byte=100))
+  # At a v5p's 750, the flops that six passes cost pay for splitting the big matrices
+  # finer; in one pass they do not.
+  splits = lambda ns: [r.split for r in plan_rounds(shapes, 256, ns) if r.cols == 14336]
+  assert splits(f32) == [4, 8] and splits(mo.NewtonSchulz(**same_time)) == [2]
 
 
 def test_a_split_whose_traffic_costs_more_than_it_saves_stays_whole():

@@ -35,10 +35,11 @@ class MeshLayout:
     exchanges: the matrices travel in this many exchanges, one after another, each
       with its own collectives in and out: more bound the peak memory of the buffers
       and Newton–Schulz temporaries lower, at two collectives each.
-    flops_per_byte: what a byte between devices costs in matmul flops, which decides
-      whether splitting a matrix over devices pays: each device then does 1/g of its
-      flops but receives about three m×m blocks a step (default: a TPU v5p's matmul
-      rate over its interconnect; 0 balances flops alone).
+    flops_per_byte: what a byte between devices costs in 16-bit matmul flops, which
+      decides whether splitting a matrix over devices pays: each device then does 1/g
+      of its flops but receives about three m×m blocks a step (default: a TPU v5p's
+      bfloat16 matmul rate over its interconnect; 0 balances flops alone). A float32
+      flop at HIGHEST precision counts as six, its bfloat16 passes.
 
   Examples:
     >>> import jax, muon_optax as mo

@@ -65,9 +65,19 @@ def working_set(rows: int, cols: int, split: int) -> float:
   return 2 * part + 4 * square
 
 
-# What a byte sent between devices costs, in matmul flops: an accelerator's matmul rate
-# over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s of ICI).
+# What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
+# rate over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s
+# of ICI).
 FLOPS_PER_BYTE = 750
+
+
+def matmul_passes(ns: NewtonSchulz) -> int:
+  """What one of `ns`'s matmul flops costs in 16-bit ones, the unit of `FLOPS_PER_BYTE`:
+  float32 operands at HIGHEST precision run as six bfloat16 passes on a TPU (a GPU's
+  full float32 is slower still), at HIGH as three; anything else as one."""
+  if ns.dtype().itemsize < 4:
+    return 1
+  return {"HIGHEST": 6, "HIGH": 3}.get(ns.matmul_precision().name, 1)
 
 
 def split_bytes(rows: int, split: int, ns: NewtonSchulz) -> float:
@@ -102,16 +112,28 @@ def _splits(items: list[Item], devices: int, split_ok: SplitOk, groups: tuple[in
   return [g for g in [1, *fits] if g >= least]
 
 
-def _best_split(items: list[Item], rows: int, cols: int, devices: int, ns: NewtonSchulz,
-                split_ok: SplitOk, groups: tuple[int, ...], blocks: int,
-                flops_per_byte: float, least: int = 1) -> int:
-  """The split (at least `least`) of a shape group with the least per-device flops over
-  all its rounds (its parts fill ⌈count · g / devices⌉ rounds); the smaller on a tie."""
-  def cost(g):
-    width = padded_cols(cols, blocks, g)
-    part = split_flops(rows, width, g, ns) + flops_per_byte * split_bytes(rows, g, ns)
-    return math.ceil(len(items) * g / devices) * part
-  return min(_splits(items, devices, split_ok, groups, least), key=lambda g: (cost(g), g))
+def _round_cost(rows: int, cols: int, g: int, ns: NewtonSchulz, blocks: int,
+                flops_per_byte: float) -> float:
+  """What one device's part of a round of rows×cols matrices split over g costs: its
+  flops plus its split traffic at `flops_per_byte`."""
+  return (split_flops(rows, padded_cols(cols, blocks, g), g, ns)
+          + flops_per_byte * split_bytes(rows, g, ns))
+
+
+def _ladder(count: int, rows: int, cols: int, devices: int, ns: NewtonSchulz,
+            splits: list[int], blocks: int, flops_per_byte: float) -> tuple[int, ...]:
+  """The splits, one per round, of the rounds that run `count` matrices of one shape at
+  the least cost (`_round_cost` summed over the rounds): a round at split g runs
+  devices // g of them. Rounds of different splits fill the devices where one split
+  cannot: 96 matrices on 256 devices run as 64 over groups of 4, then 32 over groups of
+  8, not as 96 over pairs with 64 devices idle. Smaller splits win ties."""
+  best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
+  for c in range(1, count + 1):
+    best.append(min((best[max(0, c - devices // g)][0]
+                     + _round_cost(rows, cols, g, ns, blocks, flops_per_byte),
+                     tuple(sorted((g, *best[max(0, c - devices // g)][1]))))
+                    for g in splits))
+  return best[count][1]
 
 
 def _least_split(items: list[Item], rows: int, cols: int, devices: int, split_ok: SplitOk,
@@ -138,17 +160,19 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
 
   Each shape group runs in rounds of its own shape (no padding to another shape): whole
   matrices, one per device, as long as they fill rounds. The rest of a group fills a
-  partial round, or is split by columns (and rows, see `rows_split`) over groups of g
-  devices, with the g that gives it the least per-device flops over all its rounds.
+  partial round, or is split by columns (and rows, see `rows_split`) over groups of
+  devices, in rounds whose splits fill the devices at the least cost (`_ladder`).
   Rests are split largest saving first (the flops a split saves less what its traffic
-  costs at `flops_per_byte`), while that saving is positive and until the plan is within
-  `SPLIT_TOLERANCE` of the ideal (total flops / devices). Splits need `split_ok(item, g)`; `groups` are the
-  group sizes the mesh can reduce over (default: powers of two); `col_blocks[i]` is the
-  number of column blocks stack i lies in (default 1), which pads its column parts
-  (`padded_cols`). With a `budget` (float32 elements), every matrix of a shape whose
-  `working_set` whole exceeds it is split, over the fewest devices that fit it (at
-  least), whatever its flops.
+  costs at `flops_per_byte`, in 16-bit matmul flops: see `matmul_passes`), while that
+  saving is positive and until the plan is within `SPLIT_TOLERANCE` of the ideal (total
+  flops / devices). Splits need `split_ok(item, g)`; `groups` are the group sizes the
+  mesh can reduce over (default: powers of two); `col_blocks[i]` is the number of column
+  blocks stack i lies in (default 1), which pads its column parts (`padded_cols`). With
+  a `budget` (float32 elements), every matrix of a shape whose `working_set` whole
+  exceeds it is split, over the fewest devices that fit it (at least), whatever its
+  flops.
   """
+  flops_per_byte /= matmul_passes(ns)
   split_ok = split_ok or (lambda item, g: True)
   groups = power_of_two_groups(devices) if groups is None else groups
   col_blocks = col_blocks or [1] * len(shapes)
@@ -163,37 +187,36 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   rests = {shape: by_shape[shape][0 if least[shape] > 1 else
                                   len(by_shape[shape]) // devices * devices:] for shape in order}
   blocks = {shape: max(col_blocks[i] for i, _ in items) for shape, items in by_shape.items()}
-  best = {shape: _best_split(rest, *shape, devices, ns, split_ok, groups, blocks[shape],
-                             flops_per_byte, least[shape])
-          for shape, rest in rests.items() if rest}
-  rest_flops = lambda shape, g: (math.ceil(len(rests[shape]) * g / devices)
-                                 * split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
-                                               g, ns))
-  # What a split saves in flops, less what its traffic costs.
-  saving = lambda shape: (rest_flops(shape, 1) - rest_flops(shape, best[shape])
-                          - flops_per_byte * math.ceil(len(rests[shape]) * best[shape] / devices)
-                          * split_bytes(shape[0], best[shape], ns))
-  forced = {shape for shape in best if least[shape] > 1}
-  split = {shape: best[shape] if shape in forced else 1 for shape in best}
+  ladder = {shape: _ladder(len(rest), *shape, devices, ns,
+                          _splits(rest, devices, split_ok, groups, least[shape]), blocks[shape],
+                          flops_per_byte)
+            for shape, rest in rests.items() if rest}
+  flops = lambda shape, splits: sum(split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
+                                                g, ns) for g in splits)
+  # What a shape's ladder saves in flops against one round of whole matrices, less what
+  # its traffic costs.
+  saving = lambda shape: (_flops(*shape, ns) - flops(shape, ladder[shape]) - flops_per_byte
+                          * sum(split_bytes(shape[0], g, ns) for g in ladder[shape]))
+  forced = {shape for shape in ladder if least[shape] > 1}
+  splits = {shape: ladder[shape] if shape in forced else (1,) for shape in ladder}
   ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
   total = sum(len(by_shape[shape]) // devices * _flops(*shape, ns) for shape in order
               if shape not in forced)
-  total += sum(rest_flops(shape, split[shape]) for shape in best)
-  for shape in sorted(set(best) - forced, key=saving, reverse=True):
+  total += sum(flops(shape, splits[shape]) for shape in ladder)
+  for shape in sorted(set(ladder) - forced, key=saving, reverse=True):
     if total <= SPLIT_TOLERANCE * ideal or saving(shape) <= 0:
       break
-    total += rest_flops(shape, best[shape]) - rest_flops(shape, 1)
-    split[shape] = best[shape]
+    total += flops(shape, ladder[shape]) - flops(shape, (1,))
+    splits[shape] = ladder[shape]
   rounds = []
   for (rows, cols) in order:
     items = by_shape[rows, cols]
     full = len(items) - len(rests[rows, cols])
     rounds += [Round(rows, cols, tuple(items[s:s + devices])) for s in range(0, full, devices)]
-    g = split.get((rows, cols), 1)
-    slots = [item for item in rests[rows, cols] for _ in range(g)]
-    for start in range(0, len(slots), devices):
-      chunk = tuple(slots[start:start + devices])
-      rounds.append(Round(rows, cols, chunk + (None,) * (devices - len(chunk)), g))
+    rest = iter(rests[rows, cols])
+    for g in splits.get((rows, cols), ()):
+      slots = tuple(item for _, item in zip(range(devices // g), rest) for _ in range(g))
+      rounds.append(Round(rows, cols, slots + (None,) * (devices - len(slots)), g))
   return rounds
 
 
