@@ -127,12 +127,14 @@ def _ladder(count: int, rows: int, cols: int, devices: int, ns: NewtonSchulz,
   devices // g of them. Rounds of different splits fill the devices where one split
   cannot: 96 matrices on 256 devices run as 64 over groups of 4, then 32 over groups of
   8, not as 96 over pairs with 64 devices idle. Smaller splits win ties."""
-  best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
+  best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]  # (cost, splits) by count
   for c in range(1, count + 1):
-    best.append(min((best[max(0, c - devices // g)][0]
-                     + _round_cost(rows, cols, g, ns, blocks, flops_per_byte),
-                     tuple(sorted((g, *best[max(0, c - devices // g)][1]))))
-                    for g in splits))
+    options = []
+    for g in splits:  # a round at split g, then the best for what it leaves
+      cost, rest = best[max(0, c - devices // g)]
+      options.append((cost + _round_cost(rows, cols, g, ns, blocks, flops_per_byte),
+                      tuple(sorted((g, *rest)))))
+    best.append(min(options))
   return best[count][1]
 
 
