@@ -4,8 +4,9 @@ The assignment is static, computed from the shapes at trace time (`plan.plan_rou
 and balanced by flops: same-shape matrices are dealt in *rounds* (one matrix per
 device), each round of one shape. The few left over in a shape group fill a round of
 their own, an empty slot being an all-zero matrix whose result is 0, or are split by
-columns over groups of g devices: NS(X) restricted to some columns only needs the whole
-X Xᵀ, summed over the g parts wherever the iteration forms it
+columns over groups of g devices, g chosen per round (rounds of different splits fill
+the devices): NS(X) restricted to some columns only needs the whole X Xᵀ, summed over
+the g parts wherever the iteration forms it
 (`newton_schulz_column_parts`). Whole matrices need no collective inside the iterations.
 The local work runs one round after another (the split rounds of one shape together),
 each waiting on the last one's results, so that one round's temporaries are live at a
