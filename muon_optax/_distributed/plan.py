@@ -197,8 +197,8 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
                                                 g, ns) for g in splits)
   # What a shape's ladder saves in flops against one round of whole matrices, less what
   # its traffic costs.
-  saving = lambda shape: (_flops(*shape, ns) - flops(shape, ladder[shape]) - flops_per_byte
-                          * sum(split_bytes(shape[0], g, ns) for g in ladder[shape]))
+  saving = lambda shape: _flops(*shape, ns) - sum(
+      _round_cost(*shape, g, ns, blocks[shape], flops_per_byte) for g in ladder[shape])
   forced = {shape for shape in ladder if least[shape] > 1}
   splits = {shape: ladder[shape] if shape in forced else (1,) for shape in ladder}
   ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
