@@ -12,10 +12,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
-from benchmarks.hlo import collective_stats
+from benchmarks.hlo import collective_ops, collective_stats
 from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
 from muon_optax._distributed.packed_gather import with_packed_gather
-from muon_optax._distributed.plan import per_device_flops, plan_rounds
+from muon_optax._distributed.plan import per_device_flops, plan_rounds, split_collectives
 from muon_optax._distributed.stack_layout import layout_of
 from muon_optax._newton_schulz.plan import newton_schulz_flops
 
@@ -362,6 +362,22 @@ def test_split_matrices_add_a_fixed_number_of_collectives_per_step():
       mo.muon(0.02, ns=mo.NewtonSchulz(steps=k, gram=False), mesh=placed(mesh)), params,
       mesh).as_text()).values()) for k in (2, 3, 4)]
   assert counts[2] - counts[1] == counts[1] - counts[0] > 0, counts
+
+
+@pytest.mark.parametrize("ns", [mo.NewtonSchulz(), mo.NewtonSchulz(gram=False),
+                                mo.NewtonSchulz("jordan", steps=5)], ids=["gram", "standard", "jordan"])
+@pytest.mark.parametrize("shape", [(64, 128), (6, 64), (4096, 8192)],
+                         ids=["rows split", "rows whole", "products in blocks"])
+def test_the_plan_counts_the_collectives_a_split_runs(ns, shape):
+  # 2 matrices on 8 devices, each split over 4: the plan's count (which prices a split's
+  # fixed cost) is what the compiled iteration runs in its scope (compiled, not run).
+  params = {f"l{k}": {"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)} for k in range(2)}
+  mesh = mesh_of()
+  layout = mo.MeshLayout(mesh, params="sharded", flops_per_byte=0)
+  program = compiled_update(mo.muon(0.02, ns=ns, mesh=layout), params, mesh, "fsdp").as_text()
+  shared = [op for op, _, _, name in collective_ops(program) if SHARED_MATRIX_SCOPE in name]
+  assert {r.split for r in plan_rounds([(2, *shape)], 8, ns, flops_per_byte=0)} == {4}
+  assert len(shared) == split_collectives(*shape, 4, ns)
 
 
 def test_fewer_collective_bytes_than_optax_contrib_muon():

@@ -14,6 +14,7 @@ from muon_optax._distributed.plan import (
   plan_rounds,
   product_chunks,
   rows_split,
+  split_collectives,
   split_flops,
   working_set,
 )
@@ -89,6 +90,29 @@ def test_a_split_whose_traffic_costs_more_than_it_saves_stays_whole():
   assert all(r.split == 1 for r in plan_rounds([(12, 64, 256)], 8))
   rounds = plan_rounds([(12, 4096, 14336)], 8)
   assert [r.split for r in rounds] == [1, 2]
+
+
+def test_a_split_saving_less_than_its_collectives_fixed_cost_stays_whole():
+  # GPT-2 small at float32 / HIGHEST on 8 devices: splitting the 4 attention matrices
+  # left over by pairs would save 8% of the flops, less than the 18 collectives it adds
+  # cost to start at a v5p's 750 flops a byte; balancing flops alone, they are split.
+  f32 = mo.NewtonSchulz(compute_dtype="float32", precision="highest")
+  shapes = [(12, 768, 2304), (12, 768, 768), (24, 768, 3072)]
+  assert split_collectives(768, 2304, 2, f32) == 18
+  assert all(r.split == 1 for r in plan_rounds(shapes, 8, f32))
+  assert {r.split for r in plan_rounds(shapes, 8, f32, flops_per_byte=0)} == {1, 2}
+  # The big matrices' split saves far more than its 60 collectives cost.
+  assert [r.split for r in plan_rounds([(12, 4096, 14336)], 8, f32)] == [1, 2]
+
+
+def test_a_shapes_rounds_take_at_most_two_kinds_of_split():
+  # 70B-like shapes on 256 devices: each kind of split runs its own collectives.
+  shapes = [(160, 8192, 8192), (160, 1024, 8192), (240, 8192, 28672)]
+  for fpb in (0, 750):
+    rounds = plan_rounds(shapes, 256, flops_per_byte=fpb)
+    covers_every_matrix_once(shapes, rounds)
+    for shape in {(r.rows, r.cols) for r in rounds}:
+      assert len({r.split for r in rounds if (r.rows, r.cols) == shape} - {1}) <= 2
 
 
 def test_a_plan_within_tolerance_splits_nothing():

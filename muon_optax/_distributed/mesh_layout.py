@@ -37,9 +37,10 @@ class MeshLayout:
       and Newton–Schulz temporaries lower, at two collectives each.
     flops_per_byte: what a byte between devices costs in 16-bit matmul flops, which
       decides whether splitting a matrix over devices pays: each device then does 1/g
-      of its flops but receives about three m×m blocks a step (default: a TPU v5p's
-      bfloat16 matmul rate over its interconnect; 0 balances flops alone). A float32
-      flop at HIGHEST precision counts as six, its bfloat16 passes.
+      of its flops but receives about three m×m blocks a step, in a few collectives
+      a step whose fixed cost is priced as bytes too (default: a TPU v5p's bfloat16
+      matmul rate over its interconnect; 0 balances flops alone). A float32 flop at
+      HIGHEST precision counts as six, its bfloat16 passes.
 
   Examples:
     >>> import jax, muon_optax as mo

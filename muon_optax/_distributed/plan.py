@@ -4,6 +4,7 @@ that costs in flops and bytes. No jax here: `sharded_ns` runs the plan on a mesh
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import NamedTuple, Optional
@@ -89,6 +90,41 @@ def split_bytes(rows: int, split: int, ns: NewtonSchulz) -> float:
   return ns.num_steps() * (split - 1) / split * rows * rows * per_element if split > 1 else 0.0
 
 
+# A collective's fixed cost, whatever it carries (about 10 µs to start and synchronize),
+# as the bytes an interconnect moves meanwhile (TPU v5p ICI: 600 GB/s): `flops_per_byte`
+# prices it in flops like any byte.
+COLLECTIVE_BYTES = 6e6
+
+
+def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
+  """How many collectives a kind of split adds to the iteration on rows×cols (rows ≤
+  cols) matrices (the split matrices of one shape and split run together, so that each
+  serves all of them), counted from what `newton_schulz_column_parts` runs with
+  `FactorMesh.row_blocks`: the norm (its peak and, without AOL, its sum of squares); a
+  Gram sum reduce-scattered per block of rows; a whole m×m gathered per block of its
+  columns for each m×m product, per block of rows for M X (whole where that is
+  smaller); the Gram-space iteration's transposes. Without `rows_split`, each part
+  holds the m×m whole: one all-reduce per Gram sum."""
+  if split == 1:
+    return 0
+  plan = newton_schulz_plan((rows, cols), ns)
+  aol = plan.precondition == "aol"
+  norm = 1 if aol else 2  # its peak; without AOL, then its sum of squares
+  grams = plan.steps if plan.variant == "standard" else len(plan.segments)
+  if not rows_split(rows, split):
+    return norm + grams
+  chunks = product_chunks(rows)
+  gram, product = math.gcd(chunks, rows // split), math.gcd(chunks, rows)
+  apply = 1 if cols // split >= rows * (gram - 1) // gram else gram
+  count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
+  if plan.variant == "standard":
+    return count + plan.steps * (product + apply)
+  for start, stop in plan.segments:  # each step forms P; all but one also Rᵀ, Q, next R
+    steps = stop - start
+    count += apply * (start > 0) + steps * product + (steps - 1) * (1 + 3 * product)
+  return count + apply
+
+
 def power_of_two_groups(devices: int) -> tuple[int, ...]:
   """Group sizes 2, 4, … that divide `devices`."""
   return tuple(2**k for k in range(1, devices.bit_length()) if devices % 2**k == 0)
@@ -120,22 +156,52 @@ def _round_cost(rows: int, cols: int, g: int, ns: NewtonSchulz, blocks: int,
           + flops_per_byte * split_bytes(rows, g, ns))
 
 
+# The kinds of split one shape's ladder may take (besides whole matrices): each kind adds
+# its own collectives, and two already fill the devices (see `_ladder`).
+LADDER_KINDS = 2
+
+
 def _ladder(count: int, rows: int, cols: int, devices: int, ns: NewtonSchulz,
             splits: list[int], blocks: int, flops_per_byte: float) -> tuple[int, ...]:
   """The splits, one per round, of the rounds that run `count` matrices of one shape at
-  the least cost (`_round_cost` summed over the rounds): a round at split g runs
-  devices // g of them. Rounds of different splits fill the devices where one split
-  cannot: 96 matrices on 256 devices run as 64 over groups of 4, then 32 over groups of
-  8, not as 96 over pairs with 64 devices idle. Smaller splits win ties."""
-  best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]  # (cost, splits) by count
-  for c in range(1, count + 1):
-    options = []
-    for g in splits:  # a round at split g, then the best for what it leaves
-      cost, rest = best[max(0, c - devices // g)]
-      options.append((cost + _round_cost(rows, cols, g, ns, blocks, flops_per_byte),
-                      tuple(sorted((g, *rest)))))
-    best.append(min(options))
-  return best[count][1]
+  the least flops and traffic (`_round_cost` summed over the rounds): a round at split g
+  runs devices // g of them. Rounds of different splits fill the devices where one
+  split cannot: 96 matrices on 256 devices run as 64 over groups of 4, then 32 over
+  groups of 8, not as 96 over pairs with 64 devices idle. Each kind of split has its
+  own collectives, so a ladder takes at most `LADDER_KINDS` kinds (besides whole
+  matrices); whether their fixed cost is worth paying at all is `plan_rounds`'s call.
+  Smaller splits win ties."""
+  cost = {g: _round_cost(rows, cols, g, ns, blocks, flops_per_byte) for g in splits}
+  whole = [1] if 1 in splits else []
+  return min(_cheapest_rounds(count, devices, whole + list(kinds), cost)
+             for k in range(LADDER_KINDS + 1)
+             for kinds in itertools.combinations([g for g in splits if g > 1], k)
+             if whole or kinds)[1]
+
+
+def _cheapest_rounds(count: int, devices: int, splits: list[int],
+                     cost: dict[int, float]) -> tuple[float, tuple[int, ...]]:
+  """(cost, splits) of the rounds that run `count` matrices at the least summed `cost`,
+  each round at one of `splits` (ascending): every count of rounds at each split but
+  the last is tried, and rounds at the last cover the rest."""
+  *coarse, finest = splits
+  options = []
+  for rounds in itertools.product(*[range(math.ceil(count / (devices // g)) + 1)
+                                     for g in coarse]):
+    rest = count - sum(r * (devices // g) for r, g in zip(rounds, coarse))
+    ladder = [g for r, g in zip(rounds, coarse) for _ in range(r)]
+    ladder += [finest] * math.ceil(max(0, rest) / (devices // finest))
+    options.append((sum(cost[g] for g in ladder), tuple(sorted(ladder))))
+  return min(options)
+
+
+def _ladder_cost(ladder: tuple[int, ...], rows: int, cols: int, ns: NewtonSchulz, blocks: int,
+                 flops_per_byte: float) -> float:
+  """What one device's part of a ladder's rounds costs: their flops and traffic
+  (`_round_cost`), and the fixed cost of each kind of split's collectives."""
+  return (sum(_round_cost(rows, cols, g, ns, blocks, flops_per_byte) for g in ladder)
+          + flops_per_byte * COLLECTIVE_BYTES
+          * sum(split_collectives(rows, cols, g, ns) for g in set(ladder)))
 
 
 def _least_split(items: list[Item], rows: int, cols: int, devices: int, split_ok: SplitOk,
@@ -165,14 +231,14 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   partial round, or is split by columns (and rows, see `rows_split`) over groups of
   devices, in rounds whose splits fill the devices at the least cost (`_ladder`).
   Rests are split largest saving first (the flops a split saves less what its traffic
-  costs at `flops_per_byte`, in 16-bit matmul flops: see `matmul_passes`), while that
-  saving is positive and until the plan is within `SPLIT_TOLERANCE` of the ideal (total
-  flops / devices). Splits need `split_ok(item, g)`; `groups` are the group sizes the
-  mesh can reduce over (default: powers of two); `col_blocks[i]` is the number of column
-  blocks stack i lies in (default 1), which pads its column parts (`padded_cols`). With
-  a `budget` (float32 elements), every matrix of a shape whose `working_set` whole
-  exceeds it is split, over the fewest devices that fit it (at least), whatever its
-  flops.
+  and its collectives' fixed cost, `COLLECTIVE_BYTES` each, cost at `flops_per_byte`, in
+  16-bit matmul flops: see `matmul_passes`), while that saving is positive and until
+  the plan is within `SPLIT_TOLERANCE` of the ideal (total flops / devices). Splits need
+  `split_ok(item, g)`; `groups` are the group sizes the mesh can reduce over (default:
+  powers of two); `col_blocks[i]` is the number of column blocks stack i lies in
+  (default 1), which pads its column parts (`padded_cols`). With a `budget` (float32
+  elements), every matrix of a shape whose `working_set` whole exceeds it is split,
+  over the fewest devices that fit it (at least), whatever its flops.
   """
   flops_per_byte /= matmul_passes(ns)
   split_ok = split_ok or (lambda item, g: True)
@@ -197,8 +263,8 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
                                                 g, ns) for g in splits)
   # What a shape's ladder saves in flops against one round of whole matrices, less what
   # its traffic costs.
-  saving = lambda shape: _flops(*shape, ns) - sum(
-      _round_cost(*shape, g, ns, blocks[shape], flops_per_byte) for g in ladder[shape])
+  saving = lambda shape: _flops(*shape, ns) - _ladder_cost(ladder[shape], *shape, ns,
+                                                           blocks[shape], flops_per_byte)
   forced = {shape for shape in ladder if least[shape] > 1}
   splits = {shape: ladder[shape] if shape in forced else (1,) for shape in ladder}
   ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
