@@ -105,16 +105,6 @@ def test_a_split_saving_less_than_its_collectives_fixed_cost_stays_whole():
   assert [r.split for r in plan_rounds([(12, 4096, 14336)], 8, f32)] == [1, 2]
 
 
-def test_a_shapes_rounds_take_at_most_two_kinds_of_split():
-  # 70B-like shapes on 256 devices: each kind of split runs its own collectives.
-  shapes = [(160, 8192, 8192), (160, 1024, 8192), (240, 8192, 28672)]
-  for fpb in (0, 750):
-    rounds = plan_rounds(shapes, 256, flops_per_byte=fpb)
-    covers_every_matrix_once(shapes, rounds)
-    for shape in {(r.rows, r.cols) for r in rounds}:
-      assert len({r.split for r in rounds if (r.rows, r.cols) == shape} - {1}) <= 2
-
-
 def test_a_plan_within_tolerance_splits_nothing():
   # 4 leftovers of a small shape next to 16 big ones: whole, the plan is within 5%.
   shapes = [(16, 256, 1024), (4, 16, 16)]

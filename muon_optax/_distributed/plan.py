@@ -4,7 +4,6 @@ that costs in flops and bytes. No jax here: `sharded_ns` runs the plan on a mesh
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from typing import NamedTuple, Optional
@@ -156,43 +155,23 @@ def _round_cost(rows: int, cols: int, g: int, ns: NewtonSchulz, blocks: int,
           + flops_per_byte * split_bytes(rows, g, ns))
 
 
-# The kinds of split one shape's ladder may take (besides whole matrices): each kind adds
-# its own collectives, and two already fill the devices (see `_ladder`).
-LADDER_KINDS = 2
-
-
 def _ladder(count: int, rows: int, cols: int, devices: int, ns: NewtonSchulz,
             splits: list[int], blocks: int, flops_per_byte: float) -> tuple[int, ...]:
   """The splits, one per round, of the rounds that run `count` matrices of one shape at
   the least flops and traffic (`_round_cost` summed over the rounds): a round at split g
   runs devices // g of them. Rounds of different splits fill the devices where one
   split cannot: 96 matrices on 256 devices run as 64 over groups of 4, then 32 over
-  groups of 8, not as 96 over pairs with 64 devices idle. Each kind of split has its
-  own collectives, so a ladder takes at most `LADDER_KINDS` kinds (besides whole
-  matrices); whether their fixed cost is worth paying at all is `plan_rounds`'s call.
-  Smaller splits win ties."""
+  groups of 8, not as 96 over pairs with 64 devices idle. Whether the fixed cost of
+  their collectives is worth paying is `plan_rounds`'s call. Smaller splits win ties."""
   cost = {g: _round_cost(rows, cols, g, ns, blocks, flops_per_byte) for g in splits}
-  whole = [1] if 1 in splits else []
-  return min(_cheapest_rounds(count, devices, whole + list(kinds), cost)
-             for k in range(LADDER_KINDS + 1)
-             for kinds in itertools.combinations([g for g in splits if g > 1], k)
-             if whole or kinds)[1]
-
-
-def _cheapest_rounds(count: int, devices: int, splits: list[int],
-                     cost: dict[int, float]) -> tuple[float, tuple[int, ...]]:
-  """(cost, splits) of the rounds that run `count` matrices at the least summed `cost`,
-  each round at one of `splits` (ascending): every count of rounds at each split but
-  the last is tried, and rounds at the last cover the rest."""
-  *coarse, finest = splits
-  options = []
-  for rounds in itertools.product(*[range(math.ceil(count / (devices // g)) + 1)
-                                     for g in coarse]):
-    rest = count - sum(r * (devices // g) for r, g in zip(rounds, coarse))
-    ladder = [g for r, g in zip(rounds, coarse) for _ in range(r)]
-    ladder += [finest] * math.ceil(max(0, rest) / (devices // finest))
-    options.append((sum(cost[g] for g in ladder), tuple(sorted(ladder))))
-  return min(options)
+  best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]  # (cost, splits) by count
+  for c in range(1, count + 1):
+    options = []
+    for g in splits:  # a round at split g, then the best for what it leaves
+      rest_cost, rest = best[max(0, c - devices // g)]
+      options.append((rest_cost + cost[g], tuple(sorted((g, *rest)))))
+    best.append(min(options))
+  return best[count][1]
 
 
 def _ladder_cost(ladder: tuple[int, ...], rows: int, cols: int, ns: NewtonSchulz, blocks: int,
