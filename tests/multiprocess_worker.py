@@ -9,7 +9,8 @@ axes, params split by `fsdp_shardings`).
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                    "--xla_force_host_platform_device_count=4"])
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _env import script_env
 from distributed_case import STEPS, grads_at, make_params, optimizer
 
 from muon_optax._util import paths
@@ -39,8 +40,7 @@ def single_device_run():
 @pytest.mark.parametrize("layout", ["auto-replicated", "explicit-fsdp"])
 def test_two_processes_match_one(tmp_path, layout):
   port, out = free_port(), tmp_path / "params.npz"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+  env = script_env(PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
   procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_worker.py"), str(port),
                              str(i), str(out), layout], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -76,8 +76,7 @@ def readme_run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("readme")
   (tmp / "blocks.json").write_text(json.dumps(documented_blocks()))
   (tmp / "epilogue.py").write_text(EPILOGUE)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")  # 8 devices, as here
   env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH")] if p)
   return subprocess.run([sys.executable, "-c", RUNNER, str(tmp / "blocks.json"),
                          str(tmp / "epilogue.py")], cwd=tmp, env=env, capture_output=True,

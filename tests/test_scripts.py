@@ -9,7 +9,6 @@ import argparse
 import ast
 import importlib
 import json
-import os
 import pathlib
 import re
 import shlex
@@ -19,6 +18,7 @@ from typing import Optional
 from unittest import mock
 
 import pytest
+from _env import script_env
 
 from workload import stdlib_text
 
@@ -67,8 +67,7 @@ def smallest(module: str, tmp: pathlib.Path) -> Optional[list[str]]:
 
 def run_module(module: str, argv: list[str], timeout: float = 240) -> str:
   """`python -m module *argv` from the repository root, as a user runs it; its stdout."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script's own
-  done = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=env,
+  done = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=script_env(),
                         capture_output=True, text=True, timeout=timeout)
   assert done.returncode == 0, done.stderr[-3000:]
   return done.stdout
