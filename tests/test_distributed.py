@@ -373,10 +373,10 @@ def test_the_plan_counts_the_collectives_a_split_runs(ns, shape):
   # fixed cost) is what the compiled iteration runs in its scope (compiled, not run).
   params = {f"l{k}": {"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)} for k in range(2)}
   mesh = mesh_of()
-  layout = mo.MeshLayout(mesh, params="sharded", flops_per_byte=0)
-  program = compiled_update(mo.muon(0.02, ns=ns, mesh=layout), params, mesh, "fsdp").as_text()
+  program = compiled_update(mo.muon(0.02, ns=ns, mesh=placed(mesh)), params, mesh,
+                            "fsdp").as_text()
   shared = [op for op, _, _, name in collective_ops(program) if SHARED_MATRIX_SCOPE in name]
-  assert {r.split for r in plan_rounds([(2, *shape)], 8, ns, flops_per_byte=0)} == {4}
+  assert {r.split for r in plan_rounds([(2, *shape)], 8, ns, flops_per_byte=FLOPS_ALONE)} == {4}
   assert len(shared) == split_collectives(*shape, 4, ns)
 
 

@@ -241,17 +241,17 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   flops = lambda shape, splits: sum(split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
                                                 g, ns) for g in splits)
   # What a shape's ladder saves in flops against one round of whole matrices, less what
-  # its traffic costs.
-  saving = lambda shape: _flops(*shape, ns) - _ladder_cost(ladder[shape], *shape, ns,
-                                                           blocks[shape], flops_per_byte)
+  # its traffic and its collectives' fixed cost cost.
+  saving = {shape: _flops(*shape, ns) - _ladder_cost(ladder[shape], *shape, ns, blocks[shape],
+                                                     flops_per_byte) for shape in ladder}
   forced = {shape for shape in ladder if least[shape] > 1}
   splits = {shape: ladder[shape] if shape in forced else (1,) for shape in ladder}
   ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
   total = sum(len(by_shape[shape]) // devices * _flops(*shape, ns) for shape in order
               if shape not in forced)
   total += sum(flops(shape, splits[shape]) for shape in ladder)
-  for shape in sorted(set(ladder) - forced, key=saving, reverse=True):
-    if total <= SPLIT_TOLERANCE * ideal or saving(shape) <= 0:
+  for shape in sorted(set(ladder) - forced, key=saving.get, reverse=True):
+    if total <= SPLIT_TOLERANCE * ideal or saving[shape] <= 0:
       break
     total += flops(shape, ladder[shape]) - flops(shape, (1,))
     splits[shape] = ladder[shape]
