@@ -51,6 +51,7 @@ from muon_optax._distributed.plan import (
   rows_split,
 )
 from muon_optax._distributed.stack_layout import Layout, by_blocks, layout_of, owned
+from muon_optax._distributed.static_rows import take_rows
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
 
@@ -113,12 +114,19 @@ class _Exchange:
     return _Rounds(rounds, blockwise, where, width, np.cumsum([0] + width)[:-1].tolist(),
                    round_width, back_width)
 
-  @staticmethod
-  def variants(r: Round):
-    """The stacks of a round's members, and each device's index into them (an empty
-    slot takes the first member's: its pieces are zeros, any reassembly works)."""
-    keys = list(dict.fromkeys(item[0] for item in r.slots if item is not None))
-    return keys, [keys.index(item[0]) if item is not None else 0 for item in r.slots]
+  def variants(self, r: Round):
+    """One stack of each layout (in and out) among a round's members, and each device's
+    index into them: stacks that lie alike are assembled and sent back alike, so a
+    round of one layout needs no switch over its devices, however many leaves it
+    holds. An empty slot takes the first member's: its pieces are zeros, any works."""
+    kind = lambda i: (self.ins[i], self.outs[i])
+    first = {}
+    for item in r.slots:
+      if item is not None:
+        first.setdefault(kind(item[0]), item[0])
+    kinds = list(first)
+    return ([first[k] for k in kinds],
+            [kinds.index(kind(item[0])) if item is not None else 0 for item in r.slots])
 
   def shares(self, stacks, plan: _Rounds) -> dict:
     """Each device's share of every matrix: its block (column part p of g), split between
@@ -166,10 +174,10 @@ class _Exchange:
     """Matrix i of round r (column part, zero-padded to `width`) from its received pieces."""
     lay, q, rows_ = self.ins[i], self.piece(i, r.split), self.shapes[i][1]
     bh, sw = lay.block[0], self.slice_width(i, r.split)
-    order = np.asarray(sorted(range(self.n), key=lambda s: lay.where[s]))
+    order = sorted(range(self.n), key=lambda s: lay.where[s])
 
     def fn(seg):
-      x = seg[order, :q].reshape(*lay.grid, lay.replicas * q)[..., :bh * sw]
+      x = take_rows(seg, order)[:, :q].reshape(*lay.grid, lay.replicas * q)[..., :bh * sw]
       x = x.reshape(*lay.grid, bh, sw).transpose(0, 2, 1, 3).reshape(rows_, -1)
       return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))  # zero columns: exact
     return fn
@@ -245,11 +253,11 @@ class _Exchange:
     """Every device's block of result i, in the wanted layout, one row per device."""
     lay, rows_ = self.outs[i], self.shapes[i][1]
     bh, sw = lay.block[0], self.out_slice(i, r.split)
-    pick = np.asarray([lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(self.n)])
+    pick = [lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(self.n)]
 
     def fn(x):
       b = x[:rows_, :lay.grid[1] * sw].reshape(lay.grid[0], bh, lay.grid[1], sw)
-      b = b.transpose(0, 2, 1, 3).reshape(-1, bh * sw)[pick]
+      b = take_rows(b.transpose(0, 2, 1, 3).reshape(-1, bh * sw), pick)
       return jnp.pad(b, ((0, 0), (0, w - bh * sw)))
     return fn
 
