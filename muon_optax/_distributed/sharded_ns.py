@@ -19,8 +19,9 @@ Its layouts are given, not discovered: the stacks lie as the state does
 (`state_shardings`), and the results go where `MeshLayout` says the params are.
 - in: each device cuts its block of every matrix into one piece per owner (a
   block replicated over some mesh axes is split between its replicas), packs all
-  pieces into one flat buffer row per owner, and a single all-to-all delivers them;
-  the owner reassembles its matrices from the pieces;
+  pieces, transposed, into one flat buffer row per owner, and a single all-to-all
+  delivers them; the owner reassembles its matrices from the pieces (a matrix split
+  by columns: its transpose's row blocks, one reshape);
 - out: if every update is wanted replicated (ZeRO-1 with replicated params), one
   all-gather of the owners' packed results; otherwise one all-to-all sends each
   device its block of every result, in the layout the update is wanted in.
@@ -129,8 +130,11 @@ class _Exchange:
             [kinds.index(kind(item[0])) if item is not None else 0 for item in r.slots])
 
   def shares(self, stacks, plan: _Rounds) -> dict:
-    """Each device's share of every matrix: its block (column part p of g), split between
-    the block's replicas: shares[(i, g)] has shape (count, g, piece)."""
+    """Each device's share of every matrix: its block (column part p of g), transposed
+    and split between the block's replicas: shares[(i, g)] has shape (count, g, piece).
+    Transposed, the pieces of a column-sharded matrix stack up as its transpose's row
+    blocks, so that its owner assembles it with a reshape, not a relayout of the whole
+    matrix (a TPU's tiled layouts make that a copy, or three)."""
     shares = {}
     sliced = [t for t in range(len(plan.rounds)) if t not in plan.blockwise]
     for i, g in {(item[0], plan.rounds[t].split) for t in sliced for item in plan.rounds[t].slots
@@ -138,7 +142,7 @@ class _Exchange:
       lay, q, x = self.ins[i], self.piece(i, g), stacks[i].astype(self.dtype)
       bh, sw = lay.block[0], self.slice_width(i, g)
       x = jnp.pad(x, ((0, 0), (0, 0), (0, g * sw - lay.block[1])))
-      x = x.reshape(-1, bh, g, sw).transpose(0, 2, 1, 3).reshape(x.shape[0], g, -1)
+      x = x.reshape(-1, bh, g, sw).transpose(0, 2, 3, 1).reshape(x.shape[0], g, -1)
       if lay.replicas > 1:
         x = jnp.pad(x, ((0, 0), (0, 0), (0, q * lay.replicas - x.shape[2])))
         rest = tuple(a for a in self.axes
@@ -178,8 +182,8 @@ class _Exchange:
 
     def fn(seg):
       x = take_rows(seg, order)[:, :q].reshape(*lay.grid, lay.replicas * q)[..., :bh * sw]
-      x = x.reshape(*lay.grid, bh, sw).transpose(0, 2, 1, 3).reshape(rows_, -1)
-      return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))  # zero columns: exact
+      xt = x.reshape(*lay.grid, sw, bh).transpose(1, 2, 0, 3).reshape(-1, rows_)
+      return jnp.pad(xt, ((0, width - xt.shape[0]), (0, 0))).T  # zero columns: exact
     return fn
 
   def matrix(self, t: int, recv, by_block, plan: _Rounds):
@@ -256,8 +260,8 @@ class _Exchange:
     pick = [lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(self.n)]
 
     def fn(x):
-      b = x[:rows_, :lay.grid[1] * sw].reshape(lay.grid[0], bh, lay.grid[1], sw)
-      b = take_rows(b.transpose(0, 2, 1, 3).reshape(-1, bh * sw), pick)
+      b = x[:rows_, :lay.grid[1] * sw].T.reshape(lay.grid[1], sw, lay.grid[0], bh)
+      b = take_rows(b.transpose(2, 0, 1, 3).reshape(-1, bh * sw), pick)
       return jnp.pad(b, ((0, 0), (0, w - bh * sw)))
     return fn
 
@@ -287,7 +291,7 @@ class _Exchange:
       if t in plan.blockwise:  # matrix q of the round, from the owner of this device's block
         return by_block[t][d // r.split]
       bh, sw = outs[i].block[0], self.out_slice(i, r.split)
-      x = jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * sw].reshape(bh, sw)
+      x = jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * sw].reshape(sw, bh).T
                            for p in range(r.split)], axis=1)
       return x[:, :outs[i].block[1]]
     results = {item: result(*item) for item in plan.where if item is not None}
