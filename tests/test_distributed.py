@@ -318,6 +318,15 @@ def test_whole_rounds_have_no_collective_inside_the_iterations():
   assert stats[0] == stats[1]
 
 
+def test_leaves_that_lie_alike_share_one_assembly():
+  # A round holds one leaf per device; leaves of one shape and layout are assembled and
+  # sent back by one program on every device, with no branch per leaf (a conditional,
+  # whose operands a compiler keeps live in each branch's layout).
+  params, mesh = gpt2_small_tree(layers=8, d=128), mesh_of()
+  hlo = compiled_update(mo.muon(0.02, mesh=mesh), params, mesh, "fsdp").as_text()
+  assert " conditional(" not in hlo
+
+
 def test_rounds_run_one_after_another_in_bounded_memory():
   # 16 layers of 4 matrices for 8 devices: 8 whole rounds. Run one after another, each
   # waiting on the last one's results, the compiler keeps about one round's Newton–Schulz
