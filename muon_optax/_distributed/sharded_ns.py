@@ -87,6 +87,9 @@ class _Exchange:
     mesh = fmesh.mesh
     self.axes, self.n, self.sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
     self.dtype = jnp.result_type(*dtypes)
+    # Stacks that lie alike (in and out) share one kind: its number, by stack.
+    kinds = {}
+    self.kind = [kinds.setdefault(pair, len(kinds)) for pair in zip(ins, outs)]
 
   # Column part p of a block: its slice p of width ⌈bw / g⌉, zero-padded (`padded_cols`).
   def slice_width(self, i, g):
@@ -120,14 +123,13 @@ class _Exchange:
     index into them: stacks that lie alike are assembled and sent back alike, so a
     round of one layout needs no switch over its devices, however many leaves it
     holds. An empty slot takes the first member's: its pieces are zeros, any works."""
-    kind = lambda i: (self.ins[i], self.outs[i])
     first = {}
     for item in r.slots:
       if item is not None:
-        first.setdefault(kind(item[0]), item[0])
+        first.setdefault(self.kind[item[0]], item[0])
     kinds = list(first)
     return ([first[k] for k in kinds],
-            [kinds.index(kind(item[0])) if item is not None else 0 for item in r.slots])
+            [kinds.index(self.kind[item[0]]) if item is not None else 0 for item in r.slots])
 
   def shares(self, stacks, plan: _Rounds) -> dict:
     """Each device's share of every matrix: its block (column part p of g), transposed
