@@ -70,7 +70,7 @@ def test_row_blocks_of_a_group(g):
 
 
 @pytest.mark.parametrize("g", [2, 4, 8])
-@pytest.mark.parametrize("cols", [8, 64])  # narrow parts: M X in blocks of rows; wide: whole
+@pytest.mark.parametrize("cols", [8, 64])  # narrow and wide parts
 @pytest.mark.parametrize("chunked_above", [0, 32])  # formed in blocks; whole (m = 32)
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
 def test_row_block_products_a_block_at_a_time(g, cols, chunked_above, operands):

@@ -121,12 +121,13 @@ class FactorMesh(NamedTuple):
     def applied(a, x, mm):
       # Rows of M X a few at a time: block c gathers sub-block c of every part's rows
       # of M, and gives those rows of the result; each once the last block's is done.
-      # The blocks are then put together in a new X-sized array: worth it only where
-      # that is smaller than the (k - 1) / k of the m×m it saves.
+      # The blocks are then put together in a new X-sized array, once X (usually
+      # read last here) is gone: X, the result and 1/k of the m×m are live at most,
+      # against X, the result and the whole m×m.
       batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
       k = math.gcd(chunks(a.shape[-1]), h)
       a = mm.operand(a)  # gathered as the product reads it
-      if n >= a.shape[-1] * (k - 1) // k:
+      if k == 1:
         return mm(gather(a), x)
       sub, out = a.reshape(*batch, k, h // k, a.shape[-1]), []
       for c in range(k):
@@ -137,13 +138,15 @@ class FactorMesh(NamedTuple):
     def gram(x, mm):
       # Rows of X Xᵀ summed a few at a time: block c holds rows c of every part's rows
       # (sub-block c of each of the g row blocks), so that its reduce-scatter hands each
-      # part its own rows c; each once the last block's sum is done.
+      # part its own rows c; each once the last block's sum is done. Each is formed as
+      # the transpose of X blockᵀ: a compiler that wants a product's right operand
+      # relaid out (XLA's CPU backend) then copies the block, not the whole of X.
       batch, (m, n) = x.shape[:-2], x.shape[-2:]
       k = math.gcd(chunks(m), m // g)
       sub, out = x.reshape(*batch, g, k, m // g // k, n), []
       for c in range(k):
         block = after(sub[..., c, :, :].reshape(*batch, m // k, n), out[-1:])
-        out.append(summed(mm(block, jnp.swapaxes(x, -1, -2))))
+        out.append(summed(jnp.swapaxes(mm(x, jnp.swapaxes(block, -1, -2)), -1, -2)))
       return jnp.concatenate(out, axis=-2)
 
     return RowBlocks(*map(_in_shared_scope, (summed, gather, rows, transposed, times, applied, gram)))
