@@ -38,6 +38,7 @@ compiling.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -308,23 +309,32 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
-  """The planner's per-device Newton–Schulz flops over the ideal, no compiling."""
+  """The planner's per-device Newton–Schulz flops over the ideal, no compiling: with
+  each backend's defaults, which weigh a split's traffic against the flops it saves
+  (`MeshLayout.flops_per_byte`), and with flops alone (`flops_per_byte=0`)."""
   import muon_optax as mo
-  from muon_optax._distributed.plan import group_sizes, per_device_flops, prime_factors
+  from muon_optax._distributed.plan import (
+    FLOPS_PER_BYTE,
+    group_sizes,
+    per_device_flops,
+    prime_factors,
+  )
   defaults = {"cpu": mo.NewtonSchulz(),
               "gpu": mo.NewtonSchulz(compute_dtype="bfloat16", precision="default")}
-  lines = [f"{'model':>5} {'defaults':>8} " + " ".join(f"{n:>7}" for n in devices)]
+  lines = [f"{'model':>5} {'defaults':>8} {'weighing':>12} " + " ".join(f"{n:>7}" for n in devices)]
   for model in models:
     matrices = muon_matrices(model_tree(model))
-    for name, ns in defaults.items():
+    for (name, ns), (weighing, per_byte) in itertools.product(
+        defaults.items(), [("flops, bytes", FLOPS_PER_BYTE), ("flops alone", 0)]):
       cells = []
       for n in devices:
         # The state splits the long side (the columns) over the n devices where it can:
         # column parts are cut from those blocks, zero-padded where they do not divide.
         blocks = [n if k % n == 0 else 1 for _, _, k in matrices]
-        flops = per_device_flops(matrices, n, ns, group_sizes(prime_factors(n)), col_blocks=blocks)
+        flops = per_device_flops(matrices, n, ns, group_sizes(prime_factors(n)),
+                                 col_blocks=blocks, flops_per_byte=per_byte)
         cells.append(flops / ideal_flops(matrices, n, ns))
-      lines.append(f"{model:>5} {name:>8} " + " ".join(f"{c:>7.2f}" for c in cells))
+      lines.append(f"{model:>5} {name:>8} {weighing:>12} " + " ".join(f"{c:>7.2f}" for c in cells))
   return "\n".join(lines)
 
 
