@@ -101,8 +101,8 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int
   serves all of them), counted from what `newton_schulz_column_parts` runs with
   `FactorMesh.row_blocks`: the norm (its peak and, without AOL, its sum of squares); a
   Gram sum reduce-scattered per block of rows; a whole m×m gathered per block of its
-  columns for each m×m product, per block of rows for M X; the Gram-space iteration's
-  transposes. Without `rows_split`, each part
+  columns for each m×m product, per block of rows for M X (whole where it is no
+  larger than X's part); the Gram-space iteration's transposes. Without `rows_split`, each part
   holds the m×m whole: one all-reduce per Gram sum."""
   if split == 1:
     return 0
@@ -114,7 +114,7 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int
     return norm + grams
   chunks = product_chunks(rows)
   gram, product = math.gcd(chunks, rows // split), math.gcd(chunks, rows)
-  apply = gram  # M X: blocks of the same rows as the Gram sums'
+  apply = gram if cols // split < rows else 1  # M X: in the Gram sums' blocks of rows
   count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
   if plan.variant == "standard":
     return count + plan.steps * (product + apply)
