@@ -140,15 +140,18 @@ class FactorMesh(NamedTuple):
     def gram(x, mm):
       # Rows of X Xᵀ summed a few at a time: block c holds rows c of every part's rows
       # (sub-block c of each of the g row blocks), so that its reduce-scatter hands each
-      # part its own rows c; each once the last block's sum is done. Each is formed as
-      # the transpose of X blockᵀ: a compiler that wants a product's right operand
-      # relaid out (XLA's CPU backend) then copies the block, not the whole of X.
+      # part its own rows c; each once the last block's sum is done. A compiler may
+      # copy a product's right operand into the layout it reads (XLA's CPU backend
+      # does): block Xᵀ copies all of X, the transpose of X blockᵀ copies the block
+      # and the product instead, which is less where X's part is wider than m / (k - 1).
       batch, (m, n) = x.shape[:-2], x.shape[-2:]
       k = math.gcd(chunks(m), m // g)
       sub, out = x.reshape(*batch, g, k, m // g // k, n), []
+      swapped = lambda v: jnp.swapaxes(v, -1, -2)
       for c in range(k):
         block = after(sub[..., c, :, :].reshape(*batch, m // k, n), out[-1:])
-        out.append(summed(jnp.swapaxes(mm(x, jnp.swapaxes(block, -1, -2)), -1, -2)))
+        rows = swapped(mm(x, swapped(block))) if n * (k - 1) > m else mm(block, swapped(x))
+        out.append(summed(rows))
       return jnp.concatenate(out, axis=-2)
 
     return RowBlocks(*map(_in_shared_scope, (summed, gather, rows, transposed, times, applied, gram)))
