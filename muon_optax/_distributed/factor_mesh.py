@@ -15,6 +15,7 @@ from muon_optax._distributed.layouts import spec_axes
 from muon_optax._distributed.order import after
 from muon_optax._distributed.plan import (
   CHUNKED_ABOVE_ROWS,
+  apply_blocks,
   group_sizes,
   prime_factors,
   product_chunks,
@@ -124,12 +125,13 @@ class FactorMesh(NamedTuple):
       # The blocks are then put together in a new X-sized array, once X (usually
       # read last here) is gone: X, the result and 1/k of the m×m are live at most,
       # against X, the result and the whole m×m. Worth it where the m×m is larger
-      # than X's part; else it is gathered whole, with fewer collectives and one
-      # result buffer instead of k and their sum, which fragments a compiler's heap.
+      # than X's part (`apply_blocks`); else it is gathered whole, with fewer
+      # collectives and one result buffer instead of k and their sum, which fragments
+      # a compiler's heap.
       batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
-      k = math.gcd(chunks(a.shape[-1]), h)
+      k = apply_blocks(a.shape[-1], n, g, chunked_above)
       a = mm.operand(a)  # gathered as the product reads it
-      if k == 1 or n >= a.shape[-1]:
+      if k == 1:
         return mm(gather(a), x)
       sub, out = a.reshape(*batch, k, h // k, a.shape[-1]), []
       for c in range(k):

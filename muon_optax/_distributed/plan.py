@@ -54,6 +54,16 @@ def product_chunks(rows: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
   return PRODUCT_CHUNKS if rows > chunked_above else 1
 
 
+def apply_blocks(rows: int, part_cols: int, split: int,
+                 chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
+  """How many blocks of rows M X is formed in for a matrix of `rows` rows shared by
+  `split` devices, each with `part_cols` columns of X (`FactorMesh.row_blocks`): the
+  Gram sums' blocks where the m×m is larger than X's part, else 1 (M gathered whole)."""
+  if part_cols >= rows:
+    return 1
+  return math.gcd(product_chunks(rows, chunked_above), rows // split)
+
+
 def working_set(rows: int, cols: int, split: int) -> float:
   """About the float32 elements one device holds live while it orthogonalizes its part
   of a rows×cols (rows ≤ cols) matrix split over `split` devices: its part and the next
@@ -101,9 +111,9 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int
   serves all of them), counted from what `newton_schulz_column_parts` runs with
   `FactorMesh.row_blocks`: the norm (its peak and, without AOL, its sum of squares); a
   Gram sum reduce-scattered per block of rows; a whole m×m gathered per block of its
-  columns for each m×m product, per block of rows for M X (whole where it is no
-  larger than X's part); the Gram-space iteration's transposes. Without `rows_split`, each part
-  holds the m×m whole: one all-reduce per Gram sum."""
+  columns for each m×m product, per block of rows for M X (`apply_blocks`); the
+  Gram-space iteration's transposes. Without `rows_split`, each part holds the m×m
+  whole: one all-reduce per Gram sum."""
   if split == 1:
     return 0
   plan = newton_schulz_plan((rows, cols), ns)
@@ -114,7 +124,7 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int
     return norm + grams
   chunks = product_chunks(rows)
   gram, product = math.gcd(chunks, rows // split), math.gcd(chunks, rows)
-  apply = gram if cols // split < rows else 1  # M X: in the Gram sums' blocks of rows
+  apply = apply_blocks(rows, cols // split, split)
   count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
   if plan.variant == "standard":
     return count + plan.steps * (product + apply)
