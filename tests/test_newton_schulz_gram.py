@@ -114,12 +114,14 @@ def test_bands_hold_in_float32_and_bfloat16(ns):
   floor, low, high = BANDS[ns]
   for name, x in inputs().items():
     lifted = singular_values(scaled(x, ns)) >= floor
-    # bfloat16 operands (eps 2^-8) move the lowest lifted σ by a few percent, never the top
-    # (each step's quintic is tuned on an interval 5% wider than the last one's image).
+    # bfloat16 operands (unit roundoff 2^-8) move the lowest lifted σ by a few percent,
+    # the top by less than one rounding of its own (each step's quintic is tuned on an
+    # interval 5% wider than the last one's image).
     for dtype, gram, slack in (("float32", True, 1e-3), ("bfloat16", True, 0.03),
                                ("bfloat16", False, 0.03)):
       s = singular_values(ns_fn(ns, gram=gram, compute_dtype=dtype)(x))
-      assert s.max() < high + 1e-3, (name, dtype, gram, s.max())
+      top = high * (1 + 2.0**-8) if dtype == "bfloat16" else high + 1e-3
+      assert s.max() < top, (name, dtype, gram, s.max())
       assert s[lifted].min() > low - (0.1 if dtype == "bfloat16" else slack), (name, dtype, s)
 
 

@@ -139,7 +139,7 @@ class FactorMesh(NamedTuple):
       out = jnp.stack([y.reshape(*batch, g, h // k, n) for y in out], axis=-3)
       return out.reshape(*batch, g * h, n)
 
-    def gram(x, mm):
+    def gram(x, mm, peak=None):
       # Rows of X Xᵀ summed a few at a time: block c holds rows c of every part's rows
       # (sub-block c of each of the g row blocks), so that its reduce-scatter hands each
       # part its own rows c; each once the last block's sum is done. A compiler may
@@ -152,6 +152,7 @@ class FactorMesh(NamedTuple):
       swapped = lambda v: jnp.swapaxes(v, -1, -2)
       for c in range(k):
         block = after(sub[..., c, :, :].reshape(*batch, m // k, n), out[-1:])
+        block = block if peak is None else block / peak / peak  # see `gram_rows`
         rows = swapped(mm(x, swapped(block))) if n * (k - 1) > m else mm(block, swapped(x))
         out.append(summed(rows))
       return jnp.concatenate(out, axis=-2)

@@ -26,11 +26,19 @@ def _whole(x: jax.Array, op: Callable) -> jax.Array:
   return x
 
 
-def _peak_normalize(x: jax.Array, reduce: Reduce = _whole) -> jax.Array:
-  """X / max|X|: an exact-enough rescaling so that later sums of squares neither
-  overflow (entries ~1e30) nor underflow (~1e-30) in float32. 0 stays 0."""
+def _peak(x: jax.Array, reduce: Reduce = _whole) -> jax.Array:
+  """The power of two at or just above max|X| per matrix (1 for a zero matrix), shape
+  (..., 1, 1): dividing by it keeps later sums of squares from overflowing (entries
+  ~1e30) or underflowing (~1e-30) in float32, and is exact, so that X / peak rounded
+  to any operand dtype is X rounded, divided."""
   peak = reduce(jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True), jnp.maximum)
-  return x / jnp.where(peak > 0, peak, 1)
+  exponent = jnp.clip(jnp.frexp(peak)[1], -125, 127)  # within float32's normal range
+  return jnp.ldexp(jnp.ones_like(peak), exponent)
+
+
+def _peak_normalize(x: jax.Array, reduce: Reduce = _whole) -> jax.Array:
+  """X / max|X|. 0 stays 0."""
+  return x / _peak(x, reduce)
 
 
 def _frobenius_normalize(x: jax.Array, safety: float, reduce: Reduce = _whole) -> jax.Array:
@@ -74,8 +82,9 @@ class RowBlocks(NamedTuple):
       time, so that no whole m×m matrix is live.
     applied: (rows of M, X's part, matmul) -> M X's part, if it is not
       matmul(gather(rows of M), X's part): a mesh forms M a few rows at a time.
-    gram: (X's part, matmul) -> this part's rows of X Xᵀ, if it is not
-      sum_rows(matmul(X's part, its transpose)): a mesh sums a few rows at a time.
+    gram: (X's part, matmul, peak or None) -> this part's rows of X Xᵀ, divided by
+      peak² (see `gram_rows`), if it is not sum_rows of the parts' products: a mesh sums
+      a few rows at a time, dividing only each block of rows, twice.
   """
 
   sum_rows: Callable[[jax.Array], jax.Array]
@@ -84,15 +93,20 @@ class RowBlocks(NamedTuple):
   transposed: Callable[[jax.Array], jax.Array]
   times: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
   applied: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
-  gram: Optional[Callable[[jax.Array, Callable], jax.Array]] = None
+  gram: Optional[Callable[[jax.Array, Callable, Optional[jax.Array]], jax.Array]] = None
 
   def apply(self, m, x, mm: Matmul):
     """M X (this part's columns), from this part's rows of M."""
     return self.applied(m, x, mm) if self.applied else mm(self.gather(mm.operand(m)), x)
 
-  def gram_rows(self, x, mm):
-    """This part's rows of X Xᵀ, summed over the column parts."""
-    return self.gram(x, mm) if self.gram else self.sum_rows(mm(x, _t(x)))
+  def gram_rows(self, x, mm, peak=None):
+    """This part's rows of X Xᵀ, summed over the column parts; with `peak` (max|X|, see
+    `_peak`), of (X / peak)(X / peak)ᵀ, formed as X ((X / peak) / peak)ᵀ: a mesh
+    divides only its blocks of rows, so that no scaled copy of X is made. Its entries
+    stay within float32's range for any peak up to about 1e37."""
+    if self.gram:
+      return self.gram(x, mm, peak)
+    return self.sum_rows(mm(x, _t(x if peak is None else x / peak / peak)))
 
   def product(self, a, b, mm: Matmul):
     """This part's rows of A B, from this part's rows of A and of B."""
@@ -109,17 +123,19 @@ def whole_rows(reduce: Reduce = _whole) -> RowBlocks:
   return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t)
 
 
-def _aol(x: jax.Array, r: jax.Array, blocks: RowBlocks) -> tuple[jax.Array, jax.Array]:
-  """Almost-orthogonal-layer rescaling X ← S X, R ← S R S, S = diag(1/√Σ_j |R_ij|).
+def _aol(x: jax.Array, r: jax.Array, peak: Optional[jax.Array],
+         blocks: RowBlocks) -> tuple[jax.Array, jax.Array]:
+  """Almost-orthogonal-layer rescaling X ← S X / peak, R ← S R S, S = diag(1/√Σ_j |R_ij|)
+  with R = (X / peak)(X / peak)ᵀ (`gram_rows`; no peak: X is already divided by it).
 
-  With R = X Xᵀ, ‖S X‖₂ ≤ 1 (Schur test on S R S, whose absolute row sums are ≤ 1),
-  and the bound is much tighter than ‖X‖_F, so fewer steps lift the small singular
-  values. Zero rows keep a zero scale. R (this part's rows) is reused by the first step.
+  ‖S X / peak‖₂ ≤ 1 (Schur test on S R S, whose absolute row sums are ≤ 1), and the
+  bound is much tighter than ‖X‖_F, so fewer steps lift the small singular values.
+  Zero rows keep a zero scale. R (this part's rows) is reused by the first step.
   """
   rows = jnp.sum(jnp.abs(r), axis=-1, keepdims=True)
   s = jnp.where(rows > 0, jax.lax.rsqrt(jnp.where(rows > 0, rows, 1)), 0)
   scale = blocks.gather(s)
-  return scale * x, s * r * _t(scale)
+  return (scale if peak is None else scale / peak) * x, s * r * _t(scale)
 
 
 def _kept(total: jax.Array) -> jax.Array:
@@ -279,8 +295,12 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
 
   out, r = x.astype(acc), None
   if plan.precondition == "aol":
-    out = _peak_normalize(out, reduce)
-    out, r = _aol(out, blocks.gram_rows(out, mm), blocks)
+    # X is divided by its peak inside the Gram sum and with S, not as a copy of its own;
+    # but first where the operands' range is narrower than X's (float16).
+    peak = _peak(out, reduce)
+    if jnp.finfo(cdt).maxexp < jnp.finfo(acc).maxexp:
+      out, peak = out / peak, None
+    out, r = _aol(out, blocks.gram_rows(out, mm, peak), peak, blocks)
   else:
     out = _frobenius_normalize(out, ns.safety(), reduce)
   # With operands of 32 bits or more, a X + M X is applied as one product (`_apply`).
