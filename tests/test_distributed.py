@@ -374,7 +374,9 @@ def test_split_matrices_add_a_fixed_number_of_collectives_per_step():
 
 
 @pytest.mark.parametrize("ns", [mo.NewtonSchulz(), mo.NewtonSchulz(gram=False),
-                                mo.NewtonSchulz("jordan", steps=5)], ids=["gram", "standard", "jordan"])
+                                mo.NewtonSchulz("jordan", steps=5),
+                                mo.NewtonSchulz(gram=False, compute_dtype="bfloat16")],
+                         ids=["gram", "standard", "jordan", "bfloat16"])
 @pytest.mark.parametrize("shape", [(64, 128), (6, 64), (4096, 8192)],
                          ids=["rows split", "rows whole", "products in blocks"])
 def test_the_plan_counts_the_collectives_a_split_runs(ns, shape):

@@ -9,6 +9,7 @@ from muon_optax._distributed.plan import (
   CHUNKED_ABOVE_ROWS,
   PRODUCT_CHUNKS,
   SPLIT_TOLERANCE,
+  apply_blocks,
   matmul_passes,
   per_device_flops,
   plan_rounds,
@@ -168,3 +169,16 @@ def test_only_large_shared_matrices_form_their_products_in_blocks():
   for rows in (big, small):
     square, part = rows * rows, rows * 4 * rows / 8
     assert working_set(rows, 4 * rows, 8) == 2 * part + 4 * square / 8 + square / product_chunks(rows)
+
+
+def test_m_x_is_formed_in_blocks_only_where_the_gathered_m_is_larger_than_x_s_part():
+  # Llama-3-8B's gate/up at 256 devices: a 4096×3584 float32 part of X, a 4096×4096 M.
+  # Gathered as float32 operands M is the larger: in the Gram sums' 4 blocks; as bfloat16
+  # ones (the accelerators' default) it is half X's part: whole.
+  rows, part = 4096, 3584
+  assert apply_blocks(rows, part, 4) == PRODUCT_CHUNKS
+  assert apply_blocks(rows, part, 4, operand_bytes=2) == 1
+  assert apply_blocks(rows, 2048, 4, operand_bytes=2) == 1  # equal sizes: whole
+  assert apply_blocks(rows, 2047, 4, operand_bytes=2) == PRODUCT_CHUNKS
+  assert apply_blocks(rows, 1024, 2048) == 2  # never more blocks than a part's rows allow
+  assert apply_blocks(CHUNKED_ABOVE_ROWS, 16, 4) == 1  # a small M: whole (`product_chunks`)

@@ -123,13 +123,11 @@ class FactorMesh(NamedTuple):
       # Rows of M X a few at a time: block c gathers sub-block c of every part's rows
       # of M, and gives those rows of the result; each once the last block's is done.
       # The blocks are then put together in a new X-sized array, once X (usually
-      # read last here) is gone: X, the result and 1/k of the m×m are live at most,
-      # against X, the result and the whole m×m. Worth it where the m×m is larger
-      # than X's part (`apply_blocks`); else it is gathered whole, with fewer
-      # collectives and one result buffer instead of k and their sum, which fragments
-      # a compiler's heap.
+      # read last here) is gone. Only where the whole M is larger than X's part
+      # (`apply_blocks`); else M is gathered whole.
       batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
-      k = apply_blocks(a.shape[-1], n, g, chunked_above)
+      k = apply_blocks(a.shape[-1], n, g, jnp.dtype(mm.operands).itemsize, x.dtype.itemsize,
+                       chunked_above)
       a = mm.operand(a)  # gathered as the product reads it
       if k == 1:
         return mm(gather(a), x)

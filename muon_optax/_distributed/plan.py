@@ -54,12 +54,16 @@ def product_chunks(rows: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
   return PRODUCT_CHUNKS if rows > chunked_above else 1
 
 
-def apply_blocks(rows: int, part_cols: int, split: int,
-                 chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
+def apply_blocks(rows: int, part_cols: int, split: int, operand_bytes: int = 4,
+                 x_bytes: int = 4, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
   """How many blocks of rows M X is formed in for a matrix of `rows` rows shared by
   `split` devices, each with `part_cols` columns of X (`FactorMesh.row_blocks`): the
-  Gram sums' blocks where the m×m is larger than X's part, else 1 (M gathered whole)."""
-  if part_cols >= rows:
+  Gram sums' blocks where the whole m×m, gathered as `operand_bytes`-byte operands, is
+  larger than X's part (`x_bytes` an element), else 1. Blocks leave X, the result and
+  a block of M live, against the whole M, but add collectives and k result buffers
+  that are put together in a new array, which fragments a compiler's heap: they pay
+  only where M is the larger."""
+  if rows * operand_bytes <= part_cols * x_bytes:
     return 1
   return math.gcd(product_chunks(rows, chunked_above), rows // split)
 
@@ -124,7 +128,7 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int
     return norm + grams
   chunks = product_chunks(rows)
   gram, product = math.gcd(chunks, rows // split), math.gcd(chunks, rows)
-  apply = apply_blocks(rows, cols // split, split)
+  apply = apply_blocks(rows, cols // split, split, ns.dtype().itemsize)
   count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
   if plan.variant == "standard":
     return count + plan.steps * (product + apply)
