@@ -100,7 +100,7 @@ class RowBlocks(NamedTuple):
     return self.applied(m, x, mm) if self.applied else mm(self.gather(mm.operand(m)), x)
 
   def gram_rows(self, x, mm, peak=None):
-    """This part's rows of X Xᵀ, summed over the column parts; with `peak` (max|X|, see
+    """This part's rows of X Xᵀ, summed over the column parts; with `peak` (see
     `_peak`), of (X / peak)(X / peak)ᵀ, formed as X ((X / peak) / peak)ᵀ: a mesh
     divides only its blocks of rows, so that no scaled copy of X is made. Its entries
     stay within float32's range for any peak up to about 1e37."""
@@ -295,10 +295,11 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
 
   out, r = x.astype(acc), None
   if plan.precondition == "aol":
-    # X is divided by its peak inside the Gram sum and with S, not as a copy of its own;
-    # but first where the operands' range is narrower than X's (float16).
+    # A mesh divides X by its peak inside the Gram sum (`gram_rows`) and with S, not as
+    # a copy of its own; a whole matrix is divided first (its Gram's operands are one
+    # copy of X anyway), and so is X where the operands' range is narrower (float16).
     peak = _peak(out, reduce)
-    if jnp.finfo(cdt).maxexp < jnp.finfo(acc).maxexp:
+    if blocks.gram is None or jnp.finfo(cdt).maxexp < jnp.finfo(acc).maxexp:
       out, peak = out / peak, None
     out, r = _aol(out, blocks.gram_rows(out, mm, peak), peak, blocks)
   else:
