@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_trees_close
+from _helpers import assert_trees_close, float32_bound, rel
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -162,6 +162,28 @@ def test_fewer_matrices_than_devices_split_and_match_single_device(layout):
   want_p, _ = run_steps(tx(), params, 5)
   got_p, _ = run_steps(tx(placed(mesh, layout)), params, 5, (mesh, pshard))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
+
+
+def test_split_matrices_at_extreme_scales_match_single_device():
+  # A shared matrix divides by its peak inside the Gram sums' row blocks, not as a copy:
+  # updates of size 1e-30 and 1e30 give the single-device directions (within twice the
+  # float32 evaluation bound, as whole matrices do), and 0 gives 0.
+  mesh, params = mesh_of(), few_matrices_tree()
+  matrices = {k: v for k, v in params.items() if "kernel" in v}
+  shardings = mo.fsdp_shardings(matrices, mesh)
+  on_mesh = lambda u: jax.jit(mo.orthogonalize(mesh=placed(mesh)).update)(
+      jax.device_put(u, shardings), optax.EmptyState())[0]
+  single = lambda u: jax.jit(mo.orthogonalize().update)(u, optax.EmptyState())[0]
+  assert any(r.split > 1 for r in plan_rounds([(1, 32, 128)] * 2 + [(1, 32, 64), (1, 40, 40)],
+                                              8, flops_per_byte=FLOPS_ALONE))
+  for k in (1e-30, 1.0, 1e30):
+    updates = jax.tree.map(lambda x: x * k, matrices)
+    got, want = on_mesh(updates), single(updates)
+    for name in matrices:
+      assert np.all(np.isfinite(got[name]["kernel"])), (k, name)
+      assert rel(got[name]["kernel"], want[name]["kernel"]) < 2 * float32_bound(), (k, name)
+  zeros = jax.tree.map(jnp.zeros_like, matrices)
+  assert all(not np.any(leaf) for leaf in jax.tree.leaves(on_mesh(zeros)))
 
 
 @pytest.mark.parametrize("layout", ["zero1", "fsdp"])

@@ -90,17 +90,19 @@ def test_row_block_products_a_block_at_a_time(g, cols, chunked_above, operands):
   def body(x):
     x, ra, rb = x[0], blocks.rows(a), blocks.rows(b)
     return (blocks.product(ra, rb, mm)[None], blocks.apply(ra, x, mm)[None],
-            blocks.gram_rows(x, mm)[None])
+            blocks.gram_rows(x, mm)[None], blocks.gram_rows(x, mm, jnp.float32(4))[None])
 
   spec = P(factors.mesh.axis_names)
-  fn = jax.jit(shard_mapped(body, factors.mesh, (spec,), (spec,) * 3))
-  times, applied, gram = fn(parts)
+  fn = jax.jit(shard_mapped(body, factors.mesh, (spec,), (spec,) * 4))
+  times, applied, gram, scaled = fn(parts)
   h = m // g
   for d in range(8):
     group, rows = range(d // g * g, d // g * g + g), slice(d % g * h, d % g * h + h)
     np.testing.assert_array_equal(times[d], (a @ b)[rows])
     np.testing.assert_array_equal(applied[d], a @ parts[d])
     np.testing.assert_array_equal(gram[d], sum(parts[k] @ parts[k].T for k in group)[rows])
+    # Divided by a power-of-two peak inside the sum: (X / 4)(X / 4)ᵀ, exactly.
+    np.testing.assert_array_equal(scaled[d], gram[d] / 16)
   # The program as asked for (a CPU compiler widens 16-bit collectives again; TPU's and
   # GPU's move them as they are).
   mlir = {"float32": "f32", "bfloat16": "bf16"}
