@@ -36,14 +36,9 @@ def _peak(x: jax.Array, reduce: Reduce = _whole) -> jax.Array:
   return jnp.ldexp(jnp.ones_like(peak), exponent)
 
 
-def _peak_normalize(x: jax.Array, reduce: Reduce = _whole) -> jax.Array:
-  """X / max|X|. 0 stays 0."""
-  return x / _peak(x, reduce)
-
-
 def _frobenius_normalize(x: jax.Array, safety: float, reduce: Reduce = _whole) -> jax.Array:
   """X / (‖X‖_F · safety), exact for any finite scale; 0 stays exactly 0."""
-  x = _peak_normalize(x, reduce)
+  x = x / _peak(x, reduce)
   norm = jnp.sqrt(reduce(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True), jnp.add)) * safety
   return x / jnp.where(norm > 0, norm, 1)
 
@@ -101,12 +96,15 @@ class RowBlocks(NamedTuple):
 
   def gram_rows(self, x, mm, peak=None):
     """This part's rows of X Xᵀ, summed over the column parts; with `peak` (see
-    `_peak`), of (X / peak)(X / peak)ᵀ, formed as X ((X / peak) / peak)ᵀ: a mesh
-    divides only its blocks of rows, so that no scaled copy of X is made. Its entries
-    stay within float32's range for any peak up to about 1e37."""
+    `_peak`; a mesh's `gram` only), of (X / peak)(X / peak)ᵀ, formed as
+    X ((X / peak) / peak)ᵀ: the mesh divides only its blocks of rows, so that no scaled
+    copy of X is made. Its entries stay within float32's range for any peak up to
+    about 1e37. Whole rows take X already divided: both operands are then one copy."""
     if self.gram:
       return self.gram(x, mm, peak)
-    return self.sum_rows(mm(x, _t(x if peak is None else x / peak / peak)))
+    if peak is not None:
+      raise ValueError("whole rows take X already divided by its peak, not the peak")
+    return self.sum_rows(mm(x, _t(x)))
 
   def product(self, a, b, mm: Matmul):
     """This part's rows of A B, from this part's rows of A and of B."""
