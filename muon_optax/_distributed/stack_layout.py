@@ -37,17 +37,18 @@ def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:
     keep.append(axes if ok else ())
   used = set(keep[1] + keep[2])
   rest = tuple(a for a in mesh.axis_names if a not in used)
-  radix = lambda coords, axes: int(np.ravel_multi_index(
-      [coords[a] for a in axes], [sizes[a] for a in axes])) if axes else 0
-  where = []
-  for s in range(mesh.size):
-    coords = dict(zip(mesh.axis_names, np.unravel_index(s, [sizes[a] for a in mesh.axis_names])))
-    where.append((radix(coords, keep[1]), radix(coords, keep[2]), radix(coords, rest)))
+  # Every device's coordinates at once (row-major over the mesh axes): a mesh of 1024
+  # devices cut into its prime factors has ten axes, and this runs for every stack.
+  coords = dict(zip(mesh.axis_names, np.indices([sizes[a] for a in mesh.axis_names])
+                    .reshape(len(sizes), -1)))
+  radix = lambda axes: (np.ravel_multi_index([coords[a] for a in axes], [sizes[a] for a in axes])
+                        if axes else np.zeros(mesh.size, int)).tolist()
+  where = tuple(zip(radix(keep[1]), radix(keep[2]), radix(rest)))
   grid = tuple(math.prod(sizes[a] for a in keep[d]) for d in (1, 2))
   entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
   return Layout(P(None, entry(keep[1]), entry(keep[2])), grid,
                 (shape[1] // grid[0], shape[2] // grid[1]),
-                math.prod(sizes[a] for a in rest), tuple(where))
+                math.prod(sizes[a] for a in rest), where)
 
 
 def by_blocks(lay: Layout, split: int, devices: int) -> bool:
