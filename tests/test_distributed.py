@@ -310,6 +310,30 @@ def test_gpt2_small_update_near_the_ideal_flops_and_bytes(kind):
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "zero1"])
+def test_partial_rounds_on_disjoint_devices_share_a_slot_and_match_single_device(kind):
+  # Four 16×64 and four 32×32 matrices on 8 devices, too small to split at the default
+  # flops per byte: two partial rounds on devices 0-3 and 4-7, one buffer slot. Every
+  # device then receives its own matrices' pieces only: the minimal bytes, no zeros.
+  n = lambda k, s: jax.random.normal(jax.random.key(k), s) * 0.1
+  params = {"wide": {"kernel": n(0, (4, 16, 64))}, "sq": {"kernel": n(1, (4, 32, 32))}}
+  mesh = mesh_of()
+  rounds = plan_rounds([(4, 16, 64), (4, 32, 32)], 8, mo.NewtonSchulz().on("cpu"))
+  assert [r.split for r in rounds] == [1, 1], rounds
+  layout = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded")
+  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if kind == "zero1"
+            else mo.fsdp_shardings(params, mesh))
+  want, _ = run_steps(optimizer(), params, 2)
+  got, _ = run_steps(optimizer(layout), params, 2, (mesh, pshard))
+  assert_trees_close(got, want, rtol=0, atol=1e-5)
+  stats = collective_stats(compiled_update(optimizer(layout), params, mesh, kind).as_text())
+  share = 8 * 1024 * 4 // 8  # this device's bytes of the matrices (a block, or a slice)
+  if kind == "zero1":  # in: 7/8 of its share; back: the 7 other owners' results
+    assert (stats["all-to-all"][1], stats["all-gather"][1]) == (share * 7 // 8, 7 * 1024 * 4)
+  else:  # in and back: 7/8 of its share
+    assert stats["all-to-all"][1] == 2 * share * 7 // 8, stats
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "zero1"])
 def test_explicit_mesh_update_in_the_collectives_of_an_auto_one(kind):
   # On Explicit axes the results take the params' layout from the types: ZeRO-1 gathers
   # once, not per leaf, exactly as an Auto mesh told the params are replicated.

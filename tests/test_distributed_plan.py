@@ -9,9 +9,11 @@ from muon_optax._distributed.plan import (
   CHUNKED_ABOVE_ROWS,
   PRODUCT_CHUNKS,
   SPLIT_TOLERANCE,
+  Round,
   apply_blocks,
   matmul_passes,
   per_device_flops,
+  placed,
   plan_rounds,
   product_chunks,
   rows_split,
@@ -44,6 +46,24 @@ def test_shapes_never_share_a_round_and_every_matrix_runs_once():
   shapes = [(5, 32, 128), (3, 64, 64), (1, 24, 40), (9, 16, 48)]
   rounds = plan_rounds(shapes, 8)
   covers_every_matrix_once(shapes, rounds)
+
+
+def occupied(r):
+  return [d for d, item in enumerate(r.slots) if item is not None]
+
+
+def test_partial_rounds_move_onto_devices_the_others_leave_free():
+  # 6 wide on 8 devices, then one each of three other shapes: two fit beside the wide
+  # round, the third starts a slot of its own; a pair-split round moves by whole pairs.
+  shapes = [(6, 32, 128), (1, 24, 40), (1, 32, 32), (1, 12, 20)]
+  rounds = plan_rounds(shapes, 8)
+  covers_every_matrix_once(shapes, rounds)
+  assert [occupied(r) for r in rounds] == [[0, 1, 2, 3, 4, 5], [6], [7], [0]]
+  pair = Round(16, 64, ((9, 0),) * 2 + (None,) * 6, split=2)
+  three = Round(16, 32, ((7, 0), (7, 1), (7, 2)) + (None,) * 5)
+  assert [occupied(r) for r in placed([three, pair], 8)] == [[0, 1, 2], [4, 5]]
+  full = Round(16, 32, tuple((7, j) for j in range(8)))
+  assert placed([full, pair], 8) == [full, pair]
 
 
 def test_full_rounds_stay_whole_and_the_rest_is_split_to_fill_the_devices():

@@ -2,12 +2,14 @@
 
 The assignment is static, computed from the shapes at trace time (`plan.plan_rounds`)
 and balanced by flops: same-shape matrices are dealt in *rounds* (one matrix per
-device), each round of one shape. The few left over in a shape group fill a round of
-their own, an empty slot being an all-zero matrix whose result is 0, or are split by
-columns over groups of g devices, g chosen per round (rounds of different splits fill
-the devices): NS(X) restricted to some columns only needs the whole X Xᵀ, summed over
-the g parts wherever the iteration forms it
+device), each round of one shape. The few left over in a shape group fill a partial
+round of their own, or are split by columns over groups of g devices, g chosen per
+round (rounds of different splits fill the devices): NS(X) restricted to some columns
+only needs the whole X Xᵀ, summed over the g parts wherever the iteration forms it
 (`newton_schulz_column_parts`). Whole matrices need no collective inside the iterations.
+Partial rounds lie on devices the others leave free (`plan.placed`), and rounds on
+disjoint devices share one slot of the buffers: a device receives its own round's
+pieces there, zeros only where no round has a matrix for it.
 The local work runs one round after another (the split rounds of one shape together),
 each waiting on the last one's results, so that one round's temporaries are live at a
 time; the rounds travel in `MeshLayout.exchanges` exchanges, one after another.
@@ -50,6 +52,7 @@ from muon_optax._distributed.plan import (
   chunks,
   plan_rounds,
   rows_split,
+  shared_slots,
 )
 from muon_optax._distributed.stack_layout import Layout, by_blocks, layout_of, owned
 from muon_optax._distributed.static_rows import take_rows
@@ -65,15 +68,31 @@ def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args
 
 
 class _Rounds(NamedTuple):
-  """One exchange's rounds, and what the packing reads from them."""
+  """One exchange's rounds, and what the packing reads from them. Rounds on disjoint
+  devices (`plan.placed`) share a slot of the buffers: a device's slot holds the
+  pieces of the one round it has a matrix in."""
 
   rounds: list[Round]
   blockwise: set[int]  # rounds whose column parts are whole blocks (`by_blocks`)
   where: dict  # item -> (its round, its first device)
-  width: list[int]  # each round's slot in a device's buffer row (0: block-wise)
-  start: list[int]  # where that slot starts
+  width: list[int]  # each round's pieces in a device's buffer row (0: block-wise)
   round_width: list[int]  # each round's padded matrix width
-  back_width: list[int]  # each round's slot in a row of the way back (0: block-wise)
+  back_width: list[int]  # each round's pieces in a row of the way back (0: block-wise)
+  slots: list[list[int]]  # the rounds that share each slot, block-wise ones alone
+  slot: list[int]  # each round's slot
+  start: list[int]  # where each round's slot starts in a buffer row
+  back_start: list[int]  # ... and in a row of the way back
+
+  def owner(self, slot: int, device: int) -> Optional[int]:
+    """The round of `slot` that device has a matrix in, if any."""
+    return next((t for t in self.slots[slot] if self.rounds[t].slots[device] is not None), None)
+
+  def table(self, slot: int) -> list[int]:
+    """For each device, the index in `slots[slot]` of the round it has a matrix in (0
+    if none)."""
+    members = self.slots[slot]
+    return [members.index(t) if t is not None else 0
+            for t in (self.owner(slot, d) for d in range(len(self.rounds[0].slots)))]
 
 
 class _Exchange:
@@ -115,8 +134,12 @@ class _Exchange:
     back_width = [0 if t in blockwise else
                   max(self.outs[i].block[0] * self.out_slice(i, r.split) for i, _ in members(r))
                   for t, r in enumerate(rounds)]
-    return _Rounds(rounds, blockwise, where, width, np.cumsum([0] + width)[:-1].tolist(),
-                   round_width, back_width)
+    slots = shared_slots(rounds, apart=blockwise)
+    slot = [next(k for k, ts in enumerate(slots) if t in ts) for t in range(len(rounds))]
+    starts = lambda widths: np.cumsum([0] + [max(widths[t] for t in ts) for ts in slots]).tolist()
+    start, back_start = starts(width), starts(back_width)
+    return _Rounds(rounds, blockwise, where, width, round_width, back_width, slots, slot,
+                   [start[k] for k in slot], [back_start[k] for k in slot])
 
   def variants(self, r: Round):
     """One stack of each layout (in and out) among a round's members, and each device's
@@ -158,15 +181,17 @@ class _Exchange:
     rounds' parts)."""
     shares = self.shares(stacks, plan)
     rows = []
-    for d in range(self.n):  # the buffer row for owner d: its slot of every round
+    for d in range(self.n):  # the buffer row for owner d: its pieces in every slot
       row = []
-      for t, (r, w) in enumerate(zip(plan.rounds, plan.width)):
-        if t in plan.blockwise:
+      for k, members in enumerate(plan.slots):
+        if members[0] in plan.blockwise:
           continue
-        item = r.slots[d]
-        if item is None:
+        w, t = max(plan.width[t] for t in members), plan.owner(k, d)
+        if t is None:
           row.append(jnp.zeros((w,), self.dtype))
         else:
+          r = plan.rounds[t]
+          item = r.slots[d]
           share = shares[(item[0], r.split)][item[1], d % r.split]
           row.append(jnp.pad(share, (0, w - share.shape[0])))
       rows.append(jnp.concatenate(row) if row else jnp.zeros((0,), self.dtype))
@@ -189,7 +214,8 @@ class _Exchange:
     return fn
 
   def matrix(self, t: int, recv, by_block, plan: _Rounds):
-    """This device's matrix (or column part) of round t."""
+    """This device's matrix (or column part) of round t. A device with none in it gets
+    whatever its slot holds: its result is never read."""
     if t in plan.blockwise:
       return by_block[t]
     r, start = plan.rounds[t], plan.start[t]
@@ -230,18 +256,29 @@ class _Exchange:
       last = kept[unit[0]]
     return [kept[t] for t in range(len(plan.rounds))]
 
+  def shared(self, plan: _Rounds, k: int, xs: list, width: int):
+    """Slot k of a buffer: on each device, what `xs` (one per round of the slot) holds
+    for the round it has a matrix in, its last axis zero-padded to `width`."""
+    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    return _switch(plan.table(k), [lambda *xs, m=m: pad(xs[m]) for m in range(len(xs))],
+                   self.axes, self.sizes, *xs)
+
   def gathered(self, results, plan: _Rounds) -> tuple[dict, list]:
     """Every device gets every result: one all-gather of the owners' packed results.
     Returns the results and the collective's output."""
     n, ins, shapes = self.n, self.ins, self.shapes
-    sent = jax.lax.all_gather(jnp.concatenate([x.reshape(-1) for x in results]), self.axes,
-                              tiled=False)
-    offsets = np.cumsum([0] + [x.size for x in results])
+    sizes = [max(results[t].size for t in members) for members in plan.slots]
+    sent = jax.lax.all_gather(
+        jnp.concatenate([self.shared(plan, k, [results[t].reshape(-1) for t in members], size)
+                         for k, (members, size) in enumerate(zip(plan.slots, sizes))]),
+        self.axes, tiled=False)
+    offsets = np.cumsum([0] + sizes)
 
     def result(i, j):
       (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
       (rows_, cols), ak, sw = shapes[i][1:], ins[i].grid[1], self.slice_width(i, r.split)
-      parts = [sent[d + p, offsets[t]:offsets[t + 1]].reshape(results[t].shape)
+      start = offsets[plan.slot[t]]
+      parts = [sent[d + p, start:start + results[t].size].reshape(results[t].shape)
                for p in range(r.split)]
       if t in plan.blockwise:  # part p: blocks q·g + p, q = 0, 1, …
         x = jnp.stack(parts).reshape(r.split, rows_, n // r.split, ins[i].block[1])
@@ -281,19 +318,21 @@ class _Exchange:
     """Every device gets its block of every result, in the wanted layout: one all-to-all
     of what `to_send` made of them. Returns the results and the collectives' outputs."""
     outs = self.outs
-    parts = [x for t, x in enumerate(sent) if t not in plan.blockwise]
+    parts = [self.shared(plan, k, [sent[t] for t in members],
+                         max(plan.back_width[t] for t in members))
+             for k, members in enumerate(plan.slots) if members[0] not in plan.blockwise]
     back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), self.axes, 0, 0, tiled=True)
             if parts else None)
     by_block, received = blocks_out({t: plan.rounds[t] for t in plan.blockwise}, sent,
                                      self.fmesh, self.dtype)
-    offsets = np.cumsum([0] + plan.back_width)
 
     def result(i, j):
       (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
       if t in plan.blockwise:  # matrix q of the round, from the owner of this device's block
         return by_block[t][d // r.split]
       bh, sw = outs[i].block[0], self.out_slice(i, r.split)
-      x = jnp.concatenate([back[d + p, offsets[t]:offsets[t] + bh * sw].reshape(sw, bh).T
+      start = plan.back_start[t]
+      x = jnp.concatenate([back[d + p, start:start + bh * sw].reshape(sw, bh).T
                            for p in range(r.split)], axis=1)
       return x[:, :outs[i].block[1]]
     results = {item: result(*item) for item in plan.where if item is not None}
