@@ -258,10 +258,17 @@ class _Exchange:
 
   def shared(self, plan: _Rounds, k: int, xs: list, width: int):
     """Slot k of a buffer: on each device, what `xs` (one per round of the slot) holds
-    for the round it has a matrix in, its last axis zero-padded to `width`."""
+    for the round it has a matrix in, its last axis zero-padded to `width`. Selected,
+    not switched: a select fuses into the buffer it fills, where a branch's result
+    would be a buffer of its own."""
     pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
-    return _switch(plan.table(k), [lambda *xs, m=m: pad(xs[m]) for m in range(len(xs))],
-                   self.axes, self.sizes, *xs)
+    table = plan.table(k)
+    out = pad(xs[table[0]] if len(set(table)) == 1 else xs[0])
+    if len(set(table)) > 1:
+      index = jnp.asarray(table, jnp.int32)[linear_index(self.axes, self.sizes)]
+      for m in range(1, len(xs)):
+        out = jnp.where(index == m, pad(xs[m]), out)
+    return out
 
   def gathered(self, results, plan: _Rounds) -> tuple[dict, list]:
     """Every device gets every result: one all-gather of the owners' packed results.
