@@ -244,12 +244,19 @@ class _Exchange:
     """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
     unit after another (`units`): the next unit's assembly waits for what the last one
     kept (`after`), so that its matrices and Newton–Schulz temporaries are not live at
-    the same time as theirs. Returns what `keep` returned, by round."""
-    kept, last = {}, None
+    the same time as theirs. The other rounds of a slot are assembled with its first,
+    before its Newton–Schulz, so that the buffer they arrived in is not kept live for
+    them. Returns what `keep` returned, by round."""
+    kept, last, early = {}, None, {}
     for unit in self.units(plan):
-      batch = jnp.stack([self.matrix(t, recv, by_block, plan) for t in unit])
-      if last is not None:
-        batch = after(batch, last)  # the last unit was one batch: one value suffices
+      batch = jnp.stack([early.pop(t) if t in early else self.matrix(t, recv, by_block, plan)
+                         for t in unit])
+      mates = {u for t in unit for u in plan.slots[plan.slot[t]]} - set(unit) - set(kept)
+      early.update((u, self.matrix(u, recv, by_block, plan)) for u in mates - set(early))
+      # The last unit was one batch: one value of it suffices. The slot's other rounds
+      # are assembled before this Newton–Schulz: left free, the TPU compiler assembles
+      # them late and keeps the buffer they arrived in live all along.
+      batch = after(batch, ([] if last is None else [last]) + [early[u] for u in sorted(mates)])
       g = plan.rounds[unit[0]].split
       batch = self.ns_fn(batch) if g == 1 else self.split_ns(batch, g)
       kept.update((t, keep(t, batch[k])) for k, t in enumerate(unit))
