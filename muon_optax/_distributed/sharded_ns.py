@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.block_parts import blocks_in, blocks_out
+from muon_optax._distributed.exchange_plan import ExchangePlan, out_slice, piece, slice_width
 from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
 from muon_optax._distributed.in_place import in_place
 from muon_optax._distributed.layouts import shard_mapped, spec_axes
@@ -52,9 +53,8 @@ from muon_optax._distributed.plan import (
   chunks,
   plan_rounds,
   rows_split,
-  shared_slots,
 )
-from muon_optax._distributed.stack_layout import Layout, by_blocks, layout_of, owned
+from muon_optax._distributed.stack_layout import Layout, layout_of, owned
 from muon_optax._distributed.static_rows import take_rows
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
@@ -65,34 +65,6 @@ def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args
     return branches[index_table[0]](*args)
   index = jnp.asarray(index_table, jnp.int32)[linear_index(axes, sizes)]
   return jax.lax.switch(index, branches, *args)
-
-
-class _Rounds(NamedTuple):
-  """One exchange's rounds, and what the packing reads from them. Rounds on disjoint
-  devices (`plan.placed`) share a slot of the buffers: a device's slot holds the
-  pieces of the one round it has a matrix in."""
-
-  rounds: list[Round]
-  blockwise: set[int]  # rounds whose column parts are whole blocks (`by_blocks`)
-  where: dict  # item -> (its round, its first device)
-  width: list[int]  # each round's pieces in a device's buffer row (0: block-wise)
-  round_width: list[int]  # each round's padded matrix width
-  back_width: list[int]  # each round's pieces in a row of the way back (0: block-wise)
-  slots: list[list[int]]  # the rounds that share each slot, block-wise ones alone
-  slot: list[int]  # each round's slot
-  start: list[int]  # where each round's slot starts in a buffer row
-  back_start: list[int]  # ... and in a row of the way back
-
-  def owner(self, slot: int, device: int) -> Optional[int]:
-    """The round of `slot` that device has a matrix in, if any."""
-    return next((t for t in self.slots[slot] if self.rounds[t].slots[device] is not None), None)
-
-  def table(self, slot: int) -> list[int]:
-    """For each device, the index in `slots[slot]` of the round it has a matrix in (0
-    if none)."""
-    members = self.slots[slot]
-    return [members.index(t) if t is not None else 0
-            for t in (self.owner(slot, d) for d in range(len(self.rounds[0].slots)))]
 
 
 class _Exchange:
@@ -110,37 +82,6 @@ class _Exchange:
     kinds = {}
     self.kind = [kinds.setdefault(pair, len(kinds)) for pair in zip(ins, outs)]
 
-  # Column part p of a block: its slice p of width ⌈bw / g⌉, zero-padded (`padded_cols`).
-  def slice_width(self, i, g):
-    return math.ceil(self.ins[i].block[1] / g)
-
-  def piece(self, i, g):
-    return math.ceil(self.ins[i].block[0] * self.slice_width(i, g) / self.ins[i].replicas)
-
-  def plan(self, rounds: list[Round]) -> _Rounds:
-    ins, n = self.ins, self.n
-    members = lambda r: [item for item in r.slots if item is not None]
-    round_width = [max(ins[i].grid[1] * self.slice_width(i, r.split) for i, _ in members(r))
-                   for r in rounds]
-    blockwise = {t for t, r in enumerate(rounds)
-                 if all(by_blocks(ins[i], r.split, n) and (self.gather or self.outs[i] == ins[i])
-                        for i, _ in members(r))}
-    where = {}
-    for t, r in enumerate(rounds):
-      for d, item in enumerate(r.slots):
-        where.setdefault(item, (t, d))
-    width = [0 if t in blockwise else max(self.piece(i, r.split) for i, _ in members(r))
-             for t, r in enumerate(rounds)]
-    back_width = [0 if t in blockwise else
-                  max(self.outs[i].block[0] * self.out_slice(i, r.split) for i, _ in members(r))
-                  for t, r in enumerate(rounds)]
-    slots = shared_slots(rounds, apart=blockwise)
-    slot = [next(k for k, ts in enumerate(slots) if t in ts) for t in range(len(rounds))]
-    starts = lambda widths: np.cumsum([0] + [max(widths[t] for t in ts) for ts in slots]).tolist()
-    start, back_start = starts(width), starts(back_width)
-    return _Rounds(rounds, blockwise, where, width, round_width, back_width, slots, slot,
-                   [start[k] for k in slot], [back_start[k] for k in slot])
-
   def variants(self, r: Round):
     """One stack of each layout (in and out) among a round's members, and each device's
     index into them: stacks that lie alike are assembled and sent back alike, so a
@@ -154,7 +95,7 @@ class _Exchange:
     return ([first[k] for k in kinds],
             [kinds.index(self.kind[item[0]]) if item is not None else 0 for item in r.slots])
 
-  def shares(self, stacks, plan: _Rounds) -> dict:
+  def shares(self, stacks, plan: ExchangePlan) -> dict:
     """Each device's share of every matrix: its block (column part p of g), transposed
     and split between the block's replicas: shares[(i, g)] has shape (count, g, piece).
     Transposed, the pieces of a column-sharded matrix stack up as its transpose's row
@@ -164,8 +105,8 @@ class _Exchange:
     sliced = [t for t in range(len(plan.rounds)) if t not in plan.blockwise]
     for i, g in {(item[0], plan.rounds[t].split) for t in sliced for item in plan.rounds[t].slots
                  if item is not None}:
-      lay, q, x = self.ins[i], self.piece(i, g), stacks[i].astype(self.dtype)
-      bh, sw = lay.block[0], self.slice_width(i, g)
+      lay, x = self.ins[i], stacks[i].astype(self.dtype)
+      q, bh, sw = piece(lay, g), lay.block[0], slice_width(lay, g)
       x = jnp.pad(x, ((0, 0), (0, 0), (0, g * sw - lay.block[1])))
       x = x.reshape(-1, bh, g, sw).transpose(0, 2, 3, 1).reshape(x.shape[0], g, -1)
       if lay.replicas > 1:
@@ -176,7 +117,7 @@ class _Exchange:
       shares[(i, g)] = x
     return shares
 
-  def send(self, stacks, plan: _Rounds):
+  def send(self, stacks, plan: ExchangePlan):
     """The exchange in: (what each device received, row s from device s; the block-wise
     rounds' parts)."""
     shares = self.shares(stacks, plan)
@@ -203,8 +144,8 @@ class _Exchange:
 
   def assembler(self, i, r: Round, width: int):
     """Matrix i of round r (column part, zero-padded to `width`) from its received pieces."""
-    lay, q, rows_ = self.ins[i], self.piece(i, r.split), self.shapes[i][1]
-    bh, sw = lay.block[0], self.slice_width(i, r.split)
+    lay, rows_ = self.ins[i], self.shapes[i][1]
+    q, bh, sw = piece(lay, r.split), lay.block[0], slice_width(lay, r.split)
     order = sorted(range(self.n), key=lambda s: lay.where[s])
 
     def fn(seg):
@@ -213,7 +154,7 @@ class _Exchange:
       return jnp.pad(xt, ((0, width - xt.shape[0]), (0, 0))).T  # zero columns: exact
     return fn
 
-  def matrix(self, t: int, recv, by_block, plan: _Rounds):
+  def matrix(self, t: int, recv, by_block, plan: ExchangePlan):
     """This device's matrix (or column part) of round t. A device with none in it gets
     whatever its slot holds: its result is never read."""
     if t in plan.blockwise:
@@ -223,7 +164,7 @@ class _Exchange:
     return _switch(table, [self.assembler(i, r, plan.round_width[t]) for i in keys], self.axes,
                    self.sizes, recv[:, start:start + plan.width[t]])
 
-  def units(self, plan: _Rounds) -> list[list[int]]:
+  def units(self, plan: ExchangePlan) -> list[list[int]]:
     """The rounds in the order their local work runs: a round of whole matrices alone (it
     has no collective inside, and one matrix's Newton–Schulz temporaries are live at a
     time); the split rounds of one (shape, split) together (unless memory is capped:
@@ -240,7 +181,7 @@ class _Exchange:
         units.append(split[r.rows, r.cols, r.split])
     return units
 
-  def solve(self, recv, by_block, plan: _Rounds, keep: Callable) -> list:
+  def solve(self, recv, by_block, plan: ExchangePlan, keep: Callable) -> list:
     """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
     unit after another (`units`): the next unit's assembly waits for what the last one
     kept (`after`), so that its matrices and Newton–Schulz temporaries are not live at
@@ -263,7 +204,7 @@ class _Exchange:
       last = kept[unit[0]]
     return [kept[t] for t in range(len(plan.rounds))]
 
-  def shared(self, plan: _Rounds, k: int, xs: list, width: int):
+  def shared(self, plan: ExchangePlan, k: int, xs: list, width: int):
     """Slot k of a buffer: on each device, what `xs` (one per round of the slot) holds
     for the round it has a matrix in, its last axis zero-padded to `width`. Selected,
     not switched: a select fuses into the buffer it fills, where a branch's result
@@ -277,7 +218,7 @@ class _Exchange:
         out = jnp.where(index == m, pad(xs[m]), out)
     return out
 
-  def gathered(self, results, plan: _Rounds) -> tuple[dict, list]:
+  def gathered(self, results, plan: ExchangePlan) -> tuple[dict, list]:
     """Every device gets every result: one all-gather of the owners' packed results.
     Returns the results and the collective's output."""
     n, ins, shapes = self.n, self.ins, self.shapes
@@ -290,7 +231,7 @@ class _Exchange:
 
     def result(i, j):
       (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
-      (rows_, cols), ak, sw = shapes[i][1:], ins[i].grid[1], self.slice_width(i, r.split)
+      (rows_, cols), ak, sw = shapes[i][1:], ins[i].grid[1], slice_width(ins[i], r.split)
       start = offsets[plan.slot[t]]
       parts = [sent[d + p, start:start + results[t].size].reshape(results[t].shape)
                for p in range(r.split)]
@@ -302,14 +243,10 @@ class _Exchange:
       return x[:, :, :ins[i].block[1]].reshape(rows_, cols)
     return {item: result(*item) for item in plan.where if item is not None}, [sent]
 
-  def out_slice(self, i, g):
-    # A split result's parts have the input's grid (split_ok), hence its slices.
-    return self.slice_width(i, g) if g > 1 else self.outs[i].block[1]
-
   def blocks_of(self, i, r: Round, w):
     """Every device's block of result i, in the wanted layout, one row per device."""
     lay, rows_ = self.outs[i], self.shapes[i][1]
-    bh, sw = lay.block[0], self.out_slice(i, r.split)
+    bh, sw = lay.block[0], out_slice(self.ins[i], self.outs[i], r.split)
     pick = [lay.where[s][0] * lay.grid[1] + lay.where[s][1] for s in range(self.n)]
 
     def fn(x):
@@ -318,7 +255,7 @@ class _Exchange:
       return jnp.pad(b, ((0, 0), (0, w - bh * sw)))
     return fn
 
-  def to_send(self, t: int, x, plan: _Rounds):
+  def to_send(self, t: int, x, plan: ExchangePlan):
     """What goes back of round t's result x: every device's block of it, one row per
     device (all of it when gathered or block-wise)."""
     if self.gather or t in plan.blockwise:
@@ -328,7 +265,7 @@ class _Exchange:
     return _switch(table, [self.blocks_of(i, r, plan.back_width[t]) for i in keys], self.axes,
                    self.sizes, x)
 
-  def scattered(self, sent, plan: _Rounds) -> tuple[dict, list]:
+  def scattered(self, sent, plan: ExchangePlan) -> tuple[dict, list]:
     """Every device gets its block of every result, in the wanted layout: one all-to-all
     of what `to_send` made of them. Returns the results and the collectives' outputs."""
     outs = self.outs
@@ -344,7 +281,7 @@ class _Exchange:
       (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
       if t in plan.blockwise:  # matrix q of the round, from the owner of this device's block
         return by_block[t][d // r.split]
-      bh, sw = outs[i].block[0], self.out_slice(i, r.split)
+      bh, sw = outs[i].block[0], out_slice(self.ins[i], self.outs[i], r.split)
       start = plan.back_start[t]
       x = jnp.concatenate([back[d + p, start:start + bh * sw].reshape(sw, bh).T
                            for p in range(r.split)], axis=1)
@@ -356,7 +293,7 @@ class _Exchange:
     """One exchange of the matrices of `rounds`, sent once the arrays in `wait` are
     computed: ({item: its result, in the wanted layout}, the arrays that are computed
     once it is done)."""
-    plan = self.plan(rounds)
+    plan = ExchangePlan.of(rounds, self.ins, self.outs, self.gather, self.n)
     recv, by_block = self.send(after(stacks, wait), plan)
     sent = self.solve(recv, by_block, plan, lambda t, x: self.to_send(t, x, plan))
     return self.gathered(sent, plan) if self.gather else self.scattered(sent, plan)

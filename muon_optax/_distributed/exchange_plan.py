@@ -1,0 +1,87 @@
+"""The static plan of one exchange, computed from its rounds and the stacks' layouts at
+trace time (no jax): how wide each round's pieces are, which rounds share a slot of the
+buffers, and where each slot starts. `sharded_ns` packs and unpacks by it."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from muon_optax._distributed.plan import Round, shared_slots
+from muon_optax._distributed.stack_layout import Layout, by_blocks
+
+
+def slice_width(lay: Layout, split: int) -> int:
+  """The width of column part p of a block: its slice p of ⌈block width / split⌉,
+  zero-padded (`plan.padded_cols`)."""
+  return math.ceil(lay.block[1] / split)
+
+
+def piece(lay: Layout, split: int) -> int:
+  """What one device sends of a matrix's column part: its slice of its block, split
+  between the block's replicas."""
+  return math.ceil(lay.block[0] * slice_width(lay, split) / lay.replicas)
+
+
+def out_slice(lay_in: Layout, lay_out: Layout, split: int) -> int:
+  """The width of a result's slice in a block of the wanted layout: a split result's
+  parts have the input's grid (the exchange splits only such stacks), hence its
+  slices."""
+  return slice_width(lay_in, split) if split > 1 else lay_out.block[1]
+
+
+class ExchangePlan(NamedTuple):
+  """One exchange's rounds, and what the packing reads from them. Rounds on disjoint
+  devices (`plan.placed`) share a slot of the buffers: a device's slot holds the pieces
+  of the one round it has a matrix in."""
+
+  rounds: list[Round]
+  blockwise: set[int]  # rounds whose column parts are whole blocks (`by_blocks`)
+  where: dict  # item -> (its round, its first device)
+  width: list[int]  # each round's pieces in a device's buffer row (0: block-wise)
+  round_width: list[int]  # each round's padded matrix width
+  back_width: list[int]  # each round's pieces in a row of the way back (0: block-wise)
+  slots: list[list[int]]  # the rounds that share each slot, block-wise ones alone
+  slot: list[int]  # each round's slot
+  start: list[int]  # where each round's slot starts in a buffer row
+  back_start: list[int]  # ... and in a row of the way back
+
+  @classmethod
+  def of(cls, rounds: list[Round], ins: list[Layout], outs: list[Layout], gather: bool,
+         devices: int) -> ExchangePlan:
+    """The plan of an exchange of `rounds` of stacks lying in `ins`, their results
+    wanted in `outs` (or on every device: `gather`)."""
+    members = lambda r: [item[0] for item in r.slots if item is not None]
+    round_width = [max(ins[i].grid[1] * slice_width(ins[i], r.split) for i in members(r))
+                   for r in rounds]
+    blockwise = {t for t, r in enumerate(rounds)
+                 if all(by_blocks(ins[i], r.split, devices) and (gather or outs[i] == ins[i])
+                        for i in members(r))}
+    where = {}
+    for t, r in enumerate(rounds):
+      for d, item in enumerate(r.slots):
+        where.setdefault(item, (t, d))
+    width = [0 if t in blockwise else max(piece(ins[i], r.split) for i in members(r))
+             for t, r in enumerate(rounds)]
+    back_width = [0 if t in blockwise else
+                  max(outs[i].block[0] * out_slice(ins[i], outs[i], r.split) for i in members(r))
+                  for t, r in enumerate(rounds)]
+    slots = shared_slots(rounds, apart=blockwise)
+    slot = [next(k for k, ts in enumerate(slots) if t in ts) for t in range(len(rounds))]
+    starts = lambda widths: np.cumsum([0] + [max(widths[t] for t in ts) for ts in slots]).tolist()
+    start, back_start = starts(width), starts(back_width)
+    return cls(rounds, blockwise, where, width, round_width, back_width, slots, slot,
+               [start[k] for k in slot], [back_start[k] for k in slot])
+
+  def owner(self, slot: int, device: int) -> Optional[int]:
+    """The round of `slot` that device has a matrix in, if any."""
+    return next((t for t in self.slots[slot] if self.rounds[t].slots[device] is not None), None)
+
+  def table(self, slot: int) -> list[int]:
+    """For each device, the index in `slots[slot]` of the round it has a matrix in (0
+    if none)."""
+    members = self.slots[slot]
+    return [members.index(t) if t is not None else 0
+            for t in (self.owner(slot, d) for d in range(len(self.rounds[0].slots)))]

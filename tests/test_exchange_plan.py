@@ -1,0 +1,59 @@
+"""The static plan of one exchange on its own: no mesh, no compile (the exchange that
+runs it is tested on 8 devices in test_distributed.py)."""
+
+from jax.sharding import PartitionSpec as P
+
+from muon_optax._distributed.exchange_plan import ExchangePlan, out_slice, piece, slice_width
+from muon_optax._distributed.plan import Round
+from muon_optax._distributed.stack_layout import Layout
+
+DEVICES = 8
+
+
+def columns(rows, cols, replicas=1):
+  """A stack's layout with its columns split over the devices (each block replicated
+  over `replicas` consecutive devices)."""
+  blocks = DEVICES // replicas
+  return Layout(P(None, None, "d"), (1, blocks), (rows, cols // blocks), replicas,
+                tuple((0, s // replicas, s % replicas) for s in range(DEVICES)))
+
+
+def partial(rows, cols, stack, first, count, split=1):
+  """A round of `count` matrices of stack `stack` on devices from `first` on."""
+  slots = [None] * DEVICES
+  for j in range(count):
+    slots[first + j * split:first + (j + 1) * split] = [(stack, j)] * split
+  return Round(rows, cols, tuple(slots), split)
+
+
+def test_pieces_are_a_blocks_slices_split_between_its_replicas():
+  lay = columns(16, 64)  # 16×8 blocks
+  assert (slice_width(lay, 1), slice_width(lay, 3), piece(lay, 1), piece(lay, 3)) == (8, 3, 128, 48)
+  assert piece(columns(16, 64, replicas=2), 1) == 16 * 16 // 2
+  assert out_slice(lay, columns(16, 64, replicas=2), 1) == 16
+  assert out_slice(lay, columns(16, 64, replicas=2), 2) == 4  # the input's slices
+
+
+def test_rounds_on_disjoint_devices_share_a_slot_as_wide_as_their_widest_piece():
+  ins = [columns(16, 64), columns(32, 64), columns(16, 16)]
+  rounds = [partial(16, 64, 0, 0, 4), partial(32, 64, 1, 4, 3),
+            Round(16, 16, tuple((2, j) for j in range(DEVICES)))]
+  plan = ExchangePlan.of(rounds, ins, ins, gather=False, devices=DEVICES)
+  assert plan.slots == [[0, 1], [2]] and plan.slot == [0, 0, 1]
+  assert plan.width == [128, 256, 32] and plan.start == [0, 0, 256]
+  assert plan.back_width == plan.width and plan.back_start == plan.start
+  assert [plan.owner(0, d) for d in range(DEVICES)] == [0, 0, 0, 0, 1, 1, 1, None]
+  assert plan.table(0) == [0, 0, 0, 0, 1, 1, 1, 0]
+  assert plan.where[(1, 2)] == (1, 6)
+
+
+def test_rounds_on_the_same_devices_and_block_wise_rounds_keep_slots_of_their_own():
+  # Stack 0's 3-column blocks split over pairs take whole blocks (`by_blocks`): its
+  # parts travel apart, in an all-to-all of their own.
+  ins = [columns(16, 24), columns(16, 64), columns(16, 64)]
+  rounds = [partial(16, 24, 0, 0, 2, split=2), partial(16, 64, 1, 4, 2),
+            partial(16, 64, 2, 5, 2)]
+  plan = ExchangePlan.of(rounds, ins, ins, gather=False, devices=DEVICES)
+  assert plan.blockwise == {0} and plan.width[0] == 0
+  assert plan.slots == [[0], [1], [2]]
+  assert plan.start[1:] == [0, 128]
