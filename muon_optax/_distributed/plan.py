@@ -21,7 +21,7 @@ class Round(NamedTuple):
 
   rows: int
   cols: int
-  slots: tuple[Optional[Item], ...]  # one per device; None is an all-zero matrix
+  slots: tuple[Optional[Item], ...]  # one per device; None: no matrix of this round
   split: int = 1
 
 

@@ -86,7 +86,8 @@ class _Exchange:
     """One stack of each layout (in and out) among a round's members, and each device's
     index into them: stacks that lie alike are assembled and sent back alike, so a
     round of one layout needs no switch over its devices, however many leaves it
-    holds. An empty slot takes the first member's: its pieces are zeros, any works."""
+    holds. A device with no matrix in the round takes the first member's: its
+    result is never read, any works."""
     first = {}
     for item in r.slots:
       if item is not None:
