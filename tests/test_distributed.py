@@ -333,6 +333,31 @@ def test_partial_rounds_on_disjoint_devices_share_a_slot_and_match_single_device
     assert stats["all-to-all"][1] == 2 * share * 7 // 8, stats
 
 
+@pytest.mark.parametrize("kind, memory, split", [("fsdp", 4.0, 2), ("zero1", 2.0, 4)])
+def test_a_split_round_shares_its_slot_with_whole_matrices_and_matches_single_device(
+    kind, memory, split):
+  # A memory cap splits the three 32×256 matrices: a partial round over pairs (or
+  # groups of 4) leaves devices free, and the two 16×16 matrices run whole there, in
+  # the same slot. Its devices also run the split round's program on what their slot
+  # holds, collectives and all, within their own groups, and nobody reads the result.
+  n = lambda k, s: jax.random.normal(jax.random.key(k), s) * 0.1
+  params = {"wide": {"kernel": n(2, (3, 32, 256))}, "small": {"kernel": n(3, (2, 16, 16))}}
+  shapes = [(3, 32, 256), (2, 16, 16)]
+  budget = memory * sum(c * r * k for c, r, k in shapes) / 8
+  rounds = plan_rounds(shapes, 8, mo.NewtonSchulz().on("cpu"), budget=budget)
+  shared = [r for r in rounds if None in r.slots]
+  assert [r.split for r in shared] == [split, 1], rounds
+  assert not any(a is not None and b is not None for a, b in zip(*(r.slots for r in shared)))
+  mesh = mesh_of()
+  layout = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded",
+                         memory=memory)
+  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if kind == "zero1"
+            else mo.fsdp_shardings(params, mesh))
+  want, _ = run_steps(optimizer(), params, 2)
+  got, _ = run_steps(optimizer(layout), params, 2, (mesh, pshard))
+  assert_trees_close(got, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["fsdp", "zero1"])
 def test_explicit_mesh_update_in_the_collectives_of_an_auto_one(kind):
   # On Explicit axes the results take the params' layout from the types: ZeRO-1 gathers
