@@ -41,6 +41,7 @@ def test_rounds_on_disjoint_devices_share_a_slot_as_wide_as_their_widest_piece()
   plan = ExchangePlan.of(rounds, ins, ins, gather=False, devices=DEVICES)
   assert plan.slots == [[0, 1], [2]] and plan.slot == [0, 0, 1]
   assert plan.width == [128, 256, 32] and plan.start == [0, 0, 256]
+  assert plan.slot_width == [256, 32] and plan.back_slot_width == plan.slot_width
   assert plan.back_width == plan.width and plan.back_start == plan.start
   assert [plan.owner(0, d) for d in range(DEVICES)] == [0, 0, 0, 0, 1, 1, 1, None]
   assert plan.table(0) == [0, 0, 0, 0, 1, 1, 1, 0]

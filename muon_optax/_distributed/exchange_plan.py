@@ -45,6 +45,8 @@ class ExchangePlan(NamedTuple):
   back_width: list[int]  # each round's pieces in a row of the way back (0: block-wise)
   slots: list[list[int]]  # the rounds that share each slot, block-wise ones alone
   slot: list[int]  # each round's slot
+  slot_width: list[int]  # each slot's width in a buffer row: its widest round's
+  back_slot_width: list[int]  # ... and in a row of the way back
   start: list[int]  # where each round's slot starts in a buffer row
   back_start: list[int]  # ... and in a row of the way back
 
@@ -70,10 +72,12 @@ class ExchangePlan(NamedTuple):
                   for t, r in enumerate(rounds)]
     slots = shared_slots(rounds, apart=blockwise)
     slot = [next(k for k, ts in enumerate(slots) if t in ts) for t in range(len(rounds))]
-    starts = lambda widths: np.cumsum([0] + [max(widths[t] for t in ts) for ts in slots]).tolist()
-    start, back_start = starts(width), starts(back_width)
+    slot_width = [max(width[t] for t in ts) for ts in slots]
+    back_slot_width = [max(back_width[t] for t in ts) for ts in slots]
+    start, back_start = (np.cumsum([0] + w).tolist() for w in (slot_width, back_slot_width))
     return cls(rounds, blockwise, where, width, round_width, back_width, slots, slot,
-               [start[k] for k in slot], [back_start[k] for k in slot])
+               slot_width, back_slot_width, [start[k] for k in slot],
+               [back_start[k] for k in slot])
 
   def owner(self, slot: int, device: int) -> Optional[int]:
     """The round of `slot` that device has a matrix in, if any."""

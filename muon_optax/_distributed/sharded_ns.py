@@ -128,7 +128,7 @@ class _Exchange:
       for k, members in enumerate(plan.slots):
         if members[0] in plan.blockwise:
           continue
-        w, t = max(plan.width[t] for t in members), plan.owner(k, d)
+        w, t = plan.slot_width[k], plan.owner(k, d)
         if t is None:
           row.append(jnp.zeros((w,), self.dtype))
         else:
@@ -212,11 +212,12 @@ class _Exchange:
     would be a buffer of its own."""
     pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
     table = plan.table(k)
-    out = pad(xs[table[0]] if len(set(table)) == 1 else xs[0])
-    if len(set(table)) > 1:
-      index = jnp.asarray(table, jnp.int32)[linear_index(self.axes, self.sizes)]
-      for m in range(1, len(xs)):
-        out = jnp.where(index == m, pad(xs[m]), out)
+    if len(set(table)) == 1:
+      return pad(xs[table[0]])
+    index = jnp.asarray(table, jnp.int32)[linear_index(self.axes, self.sizes)]
+    out = pad(xs[0])
+    for m in range(1, len(xs)):
+      out = jnp.where(index == m, pad(xs[m]), out)
     return out
 
   def gathered(self, results, plan: ExchangePlan) -> tuple[dict, list]:
@@ -270,8 +271,7 @@ class _Exchange:
     """Every device gets its block of every result, in the wanted layout: one all-to-all
     of what `to_send` made of them. Returns the results and the collectives' outputs."""
     outs = self.outs
-    parts = [self.shared(plan, k, [sent[t] for t in members],
-                         max(plan.back_width[t] for t in members))
+    parts = [self.shared(plan, k, [sent[t] for t in members], plan.back_slot_width[k])
              for k, members in enumerate(plan.slots) if members[0] not in plan.blockwise]
     back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), self.axes, 0, 0, tiled=True)
             if parts else None)
