@@ -1,16 +1,50 @@
-"""The static plan of one exchange, computed from its rounds and the stacks' layouts at
-trace time (no jax): how wide each round's pieces are, which rounds share a slot of the
-buffers, and where each slot starts. `sharded_ns` packs and unpacks by it."""
+"""How the rounds travel, computed at trace time (no jax): in which exchange
+(`chunks`), which rounds share a slot of its buffers (`shared_slots`), and the static
+plan of one exchange from the stacks' layouts: how wide each round's pieces are and
+where each slot starts. `sharded_ns` packs and unpacks by it."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import NamedTuple, Optional
 
 import numpy as np
 
-from muon_optax._distributed.plan import Round, shared_slots
+from muon_optax._distributed.plan import Round
 from muon_optax._distributed.stack_layout import Layout, by_blocks
+
+
+def shared_slots(rounds: list[Round], apart: Collection[int] = ()) -> list[list[int]]:
+  """The rounds (by index) grouped into the slots of an exchange's buffers, first fit:
+  a round joins the first slot whose rounds occupy none of its devices (`plan.placed`);
+  those in `apart` stay alone."""
+  slots, taken = [], []
+  for t, r in enumerate(rounds):
+    mine = {d for d, item in enumerate(r.slots) if item is not None}
+    k = next((k for k, devices in enumerate(taken)
+              if t not in apart and slots[k][0] not in apart and not devices & mine), None)
+    if k is None:
+      slots.append([t])
+      taken.append(mine)
+    else:
+      slots[k].append(t)
+      taken[k] |= mine
+  return slots
+
+
+def chunks(rounds: list[Round], count: int) -> list[list[Round]]:
+  """`rounds` in at most `count` runs of consecutive slots (`shared_slots`: the rounds
+  of one slot travel together) with about equal bytes."""
+  slots = shared_slots(rounds)
+  weight = [max(rounds[t].rows * rounds[t].cols / rounds[t].split for t in ts) for ts in slots]
+  total, chunks, acc = sum(weight), [[]], 0.0
+  for ts, w in zip(slots, weight):
+    if chunks[-1] and acc + w / 2 > total * len(chunks) / count and len(chunks) < count:
+      chunks.append([])
+    chunks[-1] += [rounds[t] for t in ts]
+    acc += w
+  return chunks
 
 
 def slice_width(lay: Layout, split: int) -> int:

@@ -5,7 +5,7 @@ that costs in flops and bytes. No jax here: `sharded_ns` runs the plan on a mesh
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 from muon_optax._newton_schulz.plan import newton_schulz_plan
@@ -284,7 +284,7 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
 def placed(rounds: list[Round], devices: int) -> list[Round]:
   """`rounds` with each partial round (its matrices on its first devices) moved onto
   devices the partial rounds before it leave free, where it fits: rounds that occupy
-  disjoint devices share one slot of the exchange buffers (`sharded_ns`), so that a
+  disjoint devices share one slot of the exchange buffers (`exchange_plan`), so that a
   device receives no zeros for a slot another round can fill. First fit, fullest
   first; a round of split g moves by a multiple of g, its groups staying whole."""
   used = lambda r: sum(item is not None for item in r.slots)
@@ -340,35 +340,3 @@ def group_sizes(factors: list[int]) -> tuple[int, ...]:
   """The sizes (> 1) of the groups of consecutive devices on a mesh of these factor
   axes: the products of its trailing factors."""
   return tuple(sorted({math.prod(factors[k:]) for k in range(len(factors))} - {1}))
-
-
-def shared_slots(rounds: list[Round], apart: Collection[int] = ()) -> list[list[int]]:
-  """The rounds (by index) grouped into the slots of an exchange's buffers, first fit:
-  a round joins the first slot whose rounds occupy none of its devices (`placed`);
-  those in `apart` stay alone."""
-  slots, taken = [], []
-  for t, r in enumerate(rounds):
-    mine = {d for d, item in enumerate(r.slots) if item is not None}
-    k = next((k for k, devices in enumerate(taken)
-              if t not in apart and slots[k][0] not in apart and not devices & mine), None)
-    if k is None:
-      slots.append([t])
-      taken.append(mine)
-    else:
-      slots[k].append(t)
-      taken[k] |= mine
-  return slots
-
-
-def chunks(rounds: list[Round], count: int) -> list[list[Round]]:
-  """`rounds` in at most `count` runs of consecutive slots (`shared_slots`: the rounds
-  of one slot travel together) with about equal bytes."""
-  slots = shared_slots(rounds)
-  weight = [max(rounds[t].rows * rounds[t].cols / rounds[t].split for t in ts) for ts in slots]
-  total, chunks, acc = sum(weight), [[]], 0.0
-  for ts, w in zip(slots, weight):
-    if chunks[-1] and acc + w / 2 > total * len(chunks) / count and len(chunks) < count:
-      chunks.append([])
-    chunks[-1] += [rounds[t] for t in ts]
-    acc += w
-  return chunks

@@ -42,7 +42,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.block_parts import blocks_in, blocks_out
-from muon_optax._distributed.exchange_plan import ExchangePlan, out_slice, piece, slice_width
+from muon_optax._distributed.exchange_plan import (
+  ExchangePlan,
+  chunks,
+  out_slice,
+  piece,
+  slice_width,
+)
 from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
 from muon_optax._distributed.in_place import in_place
 from muon_optax._distributed.layouts import shard_mapped, spec_axes
@@ -50,7 +56,6 @@ from muon_optax._distributed.order import after
 from muon_optax._distributed.plan import (
   FLOPS_PER_BYTE,
   Round,
-  chunks,
   plan_rounds,
   rows_split,
 )
