@@ -22,7 +22,9 @@ Layouts: `fsdp` (params split by `mo.fsdp_shardings`), `zero1` (replicated param
 `2d` (a data × fsdp mesh with `data_axis=("data", "fsdp")`). Arms: muon_optax, and
 optax.contrib.muon (same routing) and optax.adamw where asked; "muon_optax flops alone"
 is muon_optax with `MeshLayout(flops_per_byte=0)`, whose splits ignore their traffic;
-"muon_optax memory 1" with `MeshLayout(memory=1)`, which splits for memory. Rows go to `--out` as
+"muon_optax memory 1" with `MeshLayout(memory=1)`, which splits for memory, and "muon_optax no
+memory cap" with `MeshLayout(memory=math.inf)`, which splits for flops and traffic alone
+(the default caps a unit of work at twice the state shard). Rows go to `--out` as
 JSON lines as they are measured; a row already there is not measured again, so a long
 sweep resumes where it stopped. `--plan-only` prints the planner's own per-device flops
 over the ideal up to any device count, for the CPU and the GPU defaults, without
@@ -70,7 +72,9 @@ FLOPS_ALONE = "muon_optax flops alone"
 # muon_optax with MeshLayout(memory=1): every matrix split until its Newton–Schulz fits
 # in about one Muon state shard, whatever m×m traffic that costs.
 MEMORY_CAPPED = "muon_optax memory 1"
-OURS = (FLOPS_ALONE, MEMORY_CAPPED)
+# muon_optax with MeshLayout(memory=math.inf): splits for flops and traffic alone.
+UNCAPPED = "muon_optax no memory cap"
+OURS = (FLOPS_ALONE, MEMORY_CAPPED, UNCAPPED)
 
 
 def model_tree(model: str, layers: Optional[int] = None) -> dict:
@@ -145,6 +149,8 @@ def _optimizer(arm: str, mesh, layout: str, data_axis, exchanges: Optional[int] 
     extra["flops_per_byte"] = 0
   if arm == MEMORY_CAPPED:
     extra["memory"] = 1.0
+  if arm == UNCAPPED:
+    extra["memory"] = math.inf
   placed = mo.MeshLayout(mesh, params=params, data_axis=data_axis, **extra)
   adam = mo.AuxAdam(backend="optax")
   if arm == "nordion2 per shard":
@@ -309,13 +315,15 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
-  """The planner's per-device Newton–Schulz flops over the ideal, no compiling: with
-  each backend's defaults, which weigh a split's traffic against the flops it saves
-  (`MeshLayout.flops_per_byte`), and with flops alone (`flops_per_byte=0`)."""
+  """The planner's per-device Newton–Schulz flops over the ideal, no compiling, under the
+  default memory cap: with each backend's defaults, which weigh a split's traffic
+  against the flops it saves (`MeshLayout.flops_per_byte`), and with flops alone
+  (`flops_per_byte=0`)."""
   import muon_optax as mo
   from muon_optax._distributed.plan import (
     FLOPS_PER_BYTE,
     group_sizes,
+    memory_budget,
     per_device_flops,
     prime_factors,
   )
@@ -332,7 +340,8 @@ def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
         # column parts are cut from those blocks, zero-padded where they do not divide.
         blocks = [n if k % n == 0 else 1 for _, _, k in matrices]
         flops = per_device_flops(matrices, n, ns, group_sizes(prime_factors(n)),
-                                 col_blocks=blocks, flops_per_byte=per_byte)
+                                 col_blocks=blocks, flops_per_byte=per_byte,
+                                 budget=memory_budget(matrices, n, None))
         cells.append(flops / ideal_flops(matrices, n, ns))
       lines.append(f"{model:>5} {name:>8} {weighing:>12} " + " ".join(f"{c:>7.2f}" for c in cells))
   return "\n".join(lines)

@@ -1,17 +1,21 @@
 """The distributed Newton–Schulz plan on its own: no mesh, no compile (the exchange that
 runs it is tested on 8 devices in test_distributed.py and for TPU in test_tpu_compile.py)."""
 
+import math
 
 import pytest
 
 import muon_optax as mo
 from muon_optax._distributed.plan import (
   CHUNKED_ABOVE_ROWS,
+  DEFAULT_MEMORY,
+  MEMORY_FLOOR,
   PRODUCT_CHUNKS,
   SPLIT_TOLERANCE,
   Round,
   apply_blocks,
   matmul_passes,
+  memory_budget,
   per_device_flops,
   placed,
   plan_rounds,
@@ -178,6 +182,32 @@ def test_a_memory_budget_splits_every_matrix_until_its_work_fits():
     assert all(r.split == 1 for r in rounds if r.rows == 16)  # these fit whole
   # A budget no split can meet: the largest split there is.
   assert {r.split for r in plan_rounds(shapes, 8, budget=1) if r.rows == 64} == {8}
+
+
+def test_the_default_memory_budget_is_twice_the_shard_and_never_below_the_floor():
+  big, small = [(96, 4096, 14336)], [(4, 64, 256)]
+  shard = 96 * 4096 * 14336 / 1024
+  assert memory_budget(big, 1024, None) == DEFAULT_MEMORY * shard
+  assert memory_budget(big, 1024, 0.5) == 0.5 * shard
+  assert memory_budget(big, 1024, math.inf) is None
+  assert memory_budget(small, 8, None) == MEMORY_FLOOR  # a small model is not split for it
+  assert memory_budget(small, 8, 0.5) == 0.5 * 4 * 64 * 256 / 8  # a cap asked for is kept
+
+
+@pytest.mark.parametrize("devices", [256, 1024])
+def test_the_default_budget_splits_a_70b_s_largest_matrices_until_their_work_fits(devices):
+  # 80 layers of width 8192, ffn 28672: at 1024 devices the flops alone would split the
+  # ffn matrices over 4 devices, each part's work 3× the state shard; the default
+  # budget splits them finer. At 256 devices every split the flops ask for fits.
+  shapes = [(160, 8192, 8192), (160, 1024, 8192), (240, 8192, 28672)]
+  budget = memory_budget(shapes, devices, None)
+  rounds = plan_rounds(shapes, devices, NS, budget=budget)
+  covers_every_matrix_once(shapes, rounds)
+  assert all(working_set(r.rows, r.cols, r.split) <= budget for r in rounds)
+  unbounded = plan_rounds(shapes, devices, NS)
+  fits = all(working_set(r.rows, r.cols, r.split) <= budget for r in unbounded)
+  assert fits == (devices == 256)
+  assert (rounds == unbounded) == fits
 
 
 def test_only_large_shared_matrices_form_their_products_in_blocks():

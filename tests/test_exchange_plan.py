@@ -3,8 +3,14 @@ runs it is tested on 8 devices in test_distributed.py)."""
 
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.exchange_plan import ExchangePlan, out_slice, piece, slice_width
-from muon_optax._distributed.plan import Round
+from muon_optax._distributed.exchange_plan import (
+  ExchangePlan,
+  out_slice,
+  piece,
+  slice_width,
+  units,
+)
+from muon_optax._distributed.plan import Round, working_set
 from muon_optax._distributed.stack_layout import Layout
 
 DEVICES = 8
@@ -58,3 +64,14 @@ def test_rounds_on_the_same_devices_and_block_wise_rounds_keep_slots_of_their_ow
   assert plan.blockwise == {0} and plan.width[0] == 0
   assert plan.slots == [[0], [1], [2]]
   assert plan.start[1:] == [0, 128]
+
+
+def test_split_rounds_of_a_kind_run_together_as_many_as_fit_the_budget():
+  whole = [partial(16, 64, 0, 0, 8)] * 2
+  split = [partial(16, 64, 1, 0, 4, split=2)] * 3
+  other = [partial(16, 64, 1, 0, 2, split=4)]
+  rounds = [whole[0], split[0], other[0], split[1], whole[1], split[2]]
+  assert units(rounds, None) == [[0], [1, 3, 5], [2], [4]]
+  two = 2 * working_set(16, 64, 2)
+  assert units(rounds, two) == [[0], [1, 3], [2], [4], [5]]
+  assert units(rounds, two - 1) == [[0], [1], [2], [3], [4], [5]]

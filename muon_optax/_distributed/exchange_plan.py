@@ -1,5 +1,6 @@
 """How the rounds travel, computed at trace time (no jax): in which exchange
-(`chunks`), which rounds share a slot of its buffers (`shared_slots`), and the static
+(`chunks`), which rounds share a slot of its buffers (`shared_slots`), which run their
+local work together (`units`), and the static
 plan of one exchange from the stacks' layouts: how wide each round's pieces are and
 where each slot starts. `sharded_ns` packs and unpacks by it."""
 
@@ -11,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from muon_optax._distributed.plan import Round
+from muon_optax._distributed.plan import Round, working_set
 from muon_optax._distributed.stack_layout import Layout, by_blocks
 
 
@@ -45,6 +46,24 @@ def chunks(rounds: list[Round], count: int) -> list[list[Round]]:
     chunks[-1] += [rounds[t] for t in ts]
     acc += w
   return chunks
+
+
+def units(rounds: list[Round], budget: Optional[float]) -> list[list[int]]:
+  """The rounds (by index) in the order their local work runs: a round of whole
+  matrices alone (it has no collective inside, and one matrix's Newton–Schulz
+  temporaries are live at a time); the split rounds of one (shape, split) together, as
+  many as fit `budget` (float32 elements, `working_set` each; None: all), so that each
+  of their collectives (the Gram sums, the row-block gathers) serves all of them."""
+  units, open_units = [], {}
+  for t, r in enumerate(rounds):
+    kind = (r.rows, r.cols, r.split)
+    unit = open_units.get(kind) if r.split > 1 else None
+    if unit is not None and (budget is None or (len(unit) + 1) * working_set(*kind) <= budget):
+      unit.append(t)
+    else:
+      units.append([t])
+      open_units[kind] = units[-1]
+  return units
 
 
 def slice_width(lay: Layout, split: int) -> int:

@@ -41,6 +41,12 @@ class MeshLayout:
       a step whose fixed cost is priced as bytes too (default: a TPU v5p's bfloat16
       matmul rate over its interconnect; 0 balances flops alone). A float32 flop at
       HIGHEST precision counts as six, its bfloat16 passes.
+    memory: caps the Newton–Schulz work a device holds at once (a matrix, its part,
+      or the split rounds run together) at this multiple of the Muon state shard (the
+      Muon leaves' bytes over the devices): a matrix whose work would take more is
+      split over more devices, at m×m traffic and collectives that grow with the
+      split. Default (None): 2, and never below 32 MB, so that a small model's
+      matrices stay whole; `math.inf`: no cap.
 
   Examples:
     >>> import jax, muon_optax as mo
@@ -66,7 +72,7 @@ class MeshLayout:
       raise ValueError(f"MeshLayout(flops_per_byte={self.flops_per_byte!r}) must be ≥ 0.")
     if self.memory is not None and not self.memory > 0:
       raise ValueError(f"MeshLayout(memory={self.memory!r}) must be a positive multiple of the "
-                       "Muon state shard, or None.")
+                       "Muon state shard, math.inf (no cap), or None (the default cap).")
     axis = self.data_axis
     if axis == "data" and "data" not in self.mesh.axis_names:
       axis = tuple(self.mesh.axis_names)

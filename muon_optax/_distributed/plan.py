@@ -79,6 +79,29 @@ def working_set(rows: int, cols: int, split: int) -> float:
   return 2 * part + 4 * square
 
 
+# The default cap on one unit of Newton–Schulz work (`working_set`), as a multiple of
+# the Muon state shard: finer splits where a matrix's work alone would take more, at
+# m×m traffic that grows with the split (benchmarks/results/scale.jsonl).
+DEFAULT_MEMORY = 2.0
+# ... never below this many float32 elements (32 MB): a small model's matrices, each
+# larger than its shard on many devices, are not split for a few megabytes.
+MEMORY_FLOOR = 2**23
+
+
+def memory_budget(shapes: list[tuple[int, int, int]], devices: int,
+                  memory: Optional[float]) -> Optional[float]:
+  """The float32 elements one unit of Newton–Schulz work may hold live on a device, for
+  stacks of shapes (count, rows, cols) over `devices`: `memory` times their shard, or by
+  default (None) `DEFAULT_MEMORY` times it and at least `MEMORY_FLOOR`; None (no cap)
+  for an infinite `memory`."""
+  if memory is not None and math.isinf(memory):
+    return None
+  shard = sum(math.prod(s) for s in shapes) / devices
+  if memory is None:
+    return max(DEFAULT_MEMORY * shard, MEMORY_FLOOR)
+  return memory * shard
+
+
 # What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
 # rate over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s
 # of ICI).

@@ -31,7 +31,6 @@ Its layouts are given, not discovered: the stacks lie as the state does
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Optional
 
@@ -48,6 +47,7 @@ from muon_optax._distributed.exchange_plan import (
   out_slice,
   piece,
   slice_width,
+  units,
 )
 from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
 from muon_optax._distributed.in_place import in_place
@@ -56,6 +56,7 @@ from muon_optax._distributed.order import after
 from muon_optax._distributed.plan import (
   FLOPS_PER_BYTE,
   Round,
+  memory_budget,
   plan_rounds,
   rows_split,
 )
@@ -77,8 +78,8 @@ class _Exchange:
   send back. Built once from the static plan; `run` does one exchange of some rounds."""
 
   def __init__(self, ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
-               outs: list[Layout], gather: bool, together: bool = True):
-    self.ns_fn, self.split_ns, self.fmesh, self.together = ns_fn, split_ns, fmesh, together
+               outs: list[Layout], gather: bool, budget: Optional[float] = None):
+    self.ns_fn, self.split_ns, self.fmesh, self.budget = ns_fn, split_ns, fmesh, budget
     self.shapes, self.dtypes, self.ins, self.outs, self.gather = shapes, dtypes, ins, outs, gather
     mesh = fmesh.mesh
     self.axes, self.n, self.sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
@@ -170,32 +171,15 @@ class _Exchange:
     return _switch(table, [self.assembler(i, r, plan.round_width[t]) for i in keys], self.axes,
                    self.sizes, recv[:, start:start + plan.width[t]])
 
-  def units(self, plan: ExchangePlan) -> list[list[int]]:
-    """The rounds in the order their local work runs: a round of whole matrices alone (it
-    has no collective inside, and one matrix's Newton–Schulz temporaries are live at a
-    time); the split rounds of one (shape, split) together (unless memory is capped:
-    `together`), so that each of their collectives (the Gram sums, the row-block
-    gathers) serves all of them."""
-    units, split = [], {}
-    for t, r in enumerate(plan.rounds):
-      if r.split == 1 or not self.together:
-        units.append([t])
-      elif (r.rows, r.cols, r.split) in split:
-        split[r.rows, r.cols, r.split].append(t)
-      else:
-        split[r.rows, r.cols, r.split] = [t]
-        units.append(split[r.rows, r.cols, r.split])
-    return units
-
   def solve(self, recv, by_block, plan: ExchangePlan, keep: Callable) -> list:
     """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
-    unit after another (`units`): the next unit's assembly waits for what the last one
-    kept (`after`), so that its matrices and Newton–Schulz temporaries are not live at
-    the same time as theirs. The other rounds of a slot are assembled with its first,
+    unit after another (`exchange_plan.units`): the next unit's assembly waits for what
+    the last one kept (`after`), so that its matrices and Newton–Schulz temporaries are
+    not live at the same time as theirs. The other rounds of a slot are assembled with its first,
     before its Newton–Schulz, so that the buffer they arrived in is not kept live for
     them. Returns what `keep` returned, by round."""
     kept, last, early = {}, None, {}
-    for unit in self.units(plan):
+    for unit in units(plan.rounds, self.budget):
       batch = jnp.stack([early.pop(t) if t in early else self.matrix(t, recv, by_block, plan)
                          for t in unit])
       mates = {u for t in unit for u in plan.slots[plan.slot[t]]} - set(unit) - set(kept)
@@ -309,18 +293,17 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
               outs: list[Layout], gather: bool, cost: NewtonSchulz, chunks_of: int = 1,
               flops_per_byte: float = FLOPS_PER_BYTE, memory: Optional[float] = None):
   """The per-device body over all rounds, in `chunks_of` exchanges one after another, so
-  that only one's buffers are live at once; `memory` caps one matrix's working set, as
-  a multiple of these stacks' shard (`MeshLayout.memory`)."""
+  that only one's buffers are live at once; `memory` caps one unit's working set, as
+  a multiple of these stacks' shard (`MeshLayout.memory`; None: the default cap)."""
   def split_ok(item, g):
     i = item[0]
     return split_ns is not None and (gather or outs[i].grid == ins[i].grid)
 
   n = fmesh.mesh.size
-  budget = None if memory is None else memory * sum(math.prod(s) for s in shapes) / n
+  budget = memory_budget(shapes, n, memory)
   rounds = plan_rounds(shapes, n, cost, split_ok, fmesh.groups(), [lay.grid[1] for lay in ins],
                        flops_per_byte, budget)
-  exchange = _Exchange(ns_fn, split_ns, fmesh, shapes, dtypes, ins, outs, gather,
-                       together=memory is None)
+  exchange = _Exchange(ns_fn, split_ns, fmesh, shapes, dtypes, ins, outs, gather, budget)
   parts = chunks(rounds, chunks_of)
 
   def lower(stacks):
