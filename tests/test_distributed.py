@@ -65,10 +65,10 @@ def run_steps(tx, params, steps, shard=None):
 FLOPS_ALONE = 0
 
 
-def placed(mesh, kind="fsdp"):
+def placed(mesh, kind="fsdp", memory=None):
   """`mesh=` for a layout: ZeRO-1 says its params are replicated (Auto axes cannot)."""
   return mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded",
-                       flops_per_byte=FLOPS_ALONE)
+                       flops_per_byte=FLOPS_ALONE, memory=memory)
 
 
 def optimizer(mesh=None, backend="optax"):
@@ -452,11 +452,12 @@ def test_split_matrices_add_a_fixed_number_of_collectives_per_step():
                          ids=["rows split", "rows whole", "products in blocks"])
 def test_the_plan_counts_the_collectives_a_split_runs(ns, shape):
   # 2 matrices on 8 devices, each split over 4: the plan's count (which prices a split's
-  # fixed cost) is what the compiled iteration runs in its scope (compiled, not run).
+  # fixed cost) is what the compiled iteration runs in its scope (compiled, not run). No
+  # memory cap: the default's would split the 4096-row matrices over 8.
   params = {f"l{k}": {"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)} for k in range(2)}
   mesh = mesh_of()
-  program = compiled_update(mo.muon(0.02, ns=ns, mesh=placed(mesh)), params, mesh,
-                            "fsdp").as_text()
+  program = compiled_update(mo.muon(0.02, ns=ns, mesh=placed(mesh, memory=math.inf)), params,
+                            mesh, "fsdp").as_text()
   shared = [op for op, _, _, name in collective_ops(program) if SHARED_MATRIX_SCOPE in name]
   assert {r.split for r in plan_rounds([(2, *shape)], 8, ns, flops_per_byte=FLOPS_ALONE)} == {4}
   assert len(shared) == split_collectives(*shape, 4, ns)
