@@ -10,9 +10,10 @@ only needs the whole X Xᵀ, summed over the g parts wherever the iteration form
 Partial rounds lie on devices the others leave free (`plan.placed`), and rounds on
 disjoint devices share one slot of the buffers: a device receives its own round's
 pieces there, zeros only where no round has a matrix for it.
-The local work runs one round after another (the split rounds of one shape together),
-each waiting on the last one's results, so that one round's temporaries are live at a
-time; the rounds travel in `MeshLayout.exchanges` exchanges, one after another.
+The local work runs one round after another (the split rounds of one shape and split
+together, as many as fit the memory cap, `MeshLayout.memory`), each waiting on the last
+one's results, so that one round's temporaries are live at a time; the rounds travel in
+`MeshLayout.exchanges` exchanges, one after another.
 
 The exchange is a `jax.shard_map`, which every backend compiles (TPU included), over
 the mesh's devices with each axis cut into its prime factors (`FactorMesh`): a group of
