@@ -1,5 +1,7 @@
 """`MeshLayout`: the mesh an optimizer runs on, checked when it is built."""
 
+import math
+
 import jax
 import pytest
 
@@ -17,7 +19,11 @@ def test_mesh_layout_is_checked_when_built():
     mo.MeshLayout(mesh, data_axis="batch")
   with pytest.raises(ValueError, match=r"MeshLayout\(memory=0\) must be a positive multiple"):
     mo.MeshLayout(mesh, memory=0)
+  for bad in ("2", True, float("nan")):
+    with pytest.raises(ValueError, match=r"must be a positive multiple of the Muon state shard"):
+      mo.MeshLayout(mesh, memory=bad)
   assert mo.MeshLayout(mesh, memory=1.5).memory == 1.5
+  assert mo.MeshLayout(mesh, memory=math.inf).memory == math.inf  # no cap
   with pytest.raises(ValueError, match="mesh= takes a jax.sharding.Mesh or a muon_optax.MeshLayout"):
     mo.muon(0.02, mesh="data")
 

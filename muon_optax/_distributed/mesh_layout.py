@@ -70,7 +70,8 @@ class MeshLayout:
       raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer.")
     if not self.flops_per_byte >= 0:
       raise ValueError(f"MeshLayout(flops_per_byte={self.flops_per_byte!r}) must be ≥ 0.")
-    if self.memory is not None and not self.memory > 0:
+    number = isinstance(self.memory, (int, float)) and not isinstance(self.memory, bool)
+    if self.memory is not None and not (number and self.memory > 0):
       raise ValueError(f"MeshLayout(memory={self.memory!r}) must be a positive multiple of the "
                        "Muon state shard, math.inf (no cap), or None (the default cap).")
     axis = self.data_axis
