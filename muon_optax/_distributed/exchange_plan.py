@@ -54,15 +54,16 @@ def units(rounds: list[Round], budget: Optional[float]) -> list[list[int]]:
   temporaries are live at a time); the split rounds of one (shape, split) together, as
   many as fit `budget` (float32 elements, `working_set` each; None: all), so that each
   of their collectives (the Gram sums, the row-block gathers) serves all of them."""
-  units, open_units = [], {}
+  units, open_units = [], {}  # open_units: the last unit of each kind of split round
   for t, r in enumerate(rounds):
     kind = (r.rows, r.cols, r.split)
-    unit = open_units.get(kind) if r.split > 1 else None
+    unit = open_units.get(kind)
     if unit is not None and (budget is None or (len(unit) + 1) * working_set(*kind) <= budget):
       unit.append(t)
     else:
       units.append([t])
-      open_units[kind] = units[-1]
+      if r.split > 1:
+        open_units[kind] = units[-1]
   return units
 
 

@@ -176,9 +176,9 @@ class _Exchange:
     """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
     unit after another (`exchange_plan.units`): the next unit's assembly waits for what
     the last one kept (`after`), so that its matrices and Newton–Schulz temporaries are
-    not live at the same time as theirs. The other rounds of a slot are assembled with its first,
-    before its Newton–Schulz, so that the buffer they arrived in is not kept live for
-    them. Returns what `keep` returned, by round."""
+    not live at the same time as theirs. The other rounds of a slot are assembled with
+    its first, before its Newton–Schulz, so that the buffer they arrived in is not kept
+    live for them. Returns what `keep` returned, by round."""
     kept, last, early = {}, None, {}
     for unit in units(plan.rounds, self.budget):
       batch = jnp.stack([early.pop(t) if t in early else self.matrix(t, recv, by_block, plan)
