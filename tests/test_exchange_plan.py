@@ -5,6 +5,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.exchange_plan import (
   ExchangePlan,
+  Span,
   out_slice,
   piece,
   slice_width,
@@ -52,6 +53,21 @@ def test_rounds_on_disjoint_devices_share_a_slot_as_wide_as_their_widest_piece()
   assert [plan.owner(0, d) for d in range(DEVICES)] == [0, 0, 0, 0, 1, 1, 1, None]
   assert plan.table(0) == [0, 0, 0, 0, 1, 1, 1, 0]
   assert plan.where[(1, 2)] == (1, 6)
+
+
+def test_a_slot_is_filled_span_by_span_one_slice_of_a_stack_each():
+  ins = [columns(16, 64), columns(32, 64), columns(16, 64)]
+  mixed = Round(16, 64, ((2, 0),) * 2 + ((0, 1),) * 2 + ((0, 2),) * 2 + (None,) * 2, 2)
+  rounds = [mixed, partial(32, 64, 1, 6, 2)]
+  plan = ExchangePlan.of(rounds, ins, ins, gather=False, devices=DEVICES)
+  assert plan.slots == [[0, 1]]
+  # Stack 0's matrices 1 and 2 lie on consecutive devices: one span; stack 2's apart.
+  assert plan.spans(0) == [Span(2, 0, 2, 0), Span(4, 0, 0, 1), Span(2, 1, 1, 0)]
+  alone = ExchangePlan.of([partial(16, 64, 0, 1, 3), partial(16, 64, 2, 5, 1)], ins, ins,
+                          gather=False, devices=DEVICES)
+  assert alone.spans(0) == [Span(1), Span(3, 0, 0, 0), Span(1), Span(1, 1, 2, 0), Span(2)]
+  for plan_ in (plan, alone):  # every device once, in order
+    assert sum(s.devices for s in plan_.spans(0)) == DEVICES
 
 
 def test_rounds_on_the_same_devices_and_block_wise_rounds_keep_slots_of_their_own():

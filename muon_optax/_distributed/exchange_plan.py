@@ -86,6 +86,17 @@ def out_slice(lay_in: Layout, lay_out: Layout, split: int) -> int:
   return slice_width(lay_in, split) if split > 1 else lay_out.block[1]
 
 
+class Span(NamedTuple):
+  """A run of consecutive devices in one slot of a buffer: with `round` None, devices
+  with no matrix there; else devices holding the parts (`split` each) of matrices
+  `first`, `first` + 1, … of stack `stack`, in order."""
+
+  devices: int
+  round: Optional[int] = None
+  stack: int = 0
+  first: int = 0
+
+
 class ExchangePlan(NamedTuple):
   """One exchange's rounds, and what the packing reads from them. Rounds on disjoint
   devices (`plan.placed`) share a slot of the buffers: a device's slot holds the pieces
@@ -136,6 +147,30 @@ class ExchangePlan(NamedTuple):
   def owner(self, slot: int, device: int) -> Optional[int]:
     """The round of `slot` that device has a matrix in, if any."""
     return next((t for t in self.slots[slot] if self.rounds[t].slots[device] is not None), None)
+
+  def spans(self, slot: int) -> list[Span]:
+    """Slot `slot`'s devices, in order, as the fewest `Span`s: what fills it is one
+    slice of a stack's pieces per span, not one per device."""
+    out, d, n = [], 0, len(self.rounds[0].slots)
+    while d < n:
+      t = self.owner(slot, d)
+      last = out[-1] if out else None
+      if t is None:
+        if last is not None and last.round is None:
+          out[-1] = last._replace(devices=last.devices + 1)
+        else:
+          out.append(Span(1))
+        d += 1
+        continue
+      g, (i, j) = self.rounds[t].split, self.rounds[t].slots[d]
+      assert d % g == 0, "a split round's groups start at multiples of its split"
+      if (last is not None and (last.round, last.stack) == (t, i)
+          and last.first + last.devices // g == j):
+        out[-1] = last._replace(devices=last.devices + g)
+      else:
+        out.append(Span(g, t, i, j))
+      d += g
+    return out
 
   def table(self, slot: int) -> list[int]:
     """For each device, the index in `slots[slot]` of the round it has a matrix in (0

@@ -129,23 +129,22 @@ class _Exchange:
     """The exchange in: (what each device received, row s from device s; the block-wise
     rounds' parts)."""
     shares = self.shares(stacks, plan)
-    rows = []
-    for d in range(self.n):  # the buffer row for owner d: its pieces in every slot
-      row = []
-      for k, members in enumerate(plan.slots):
-        if members[0] in plan.blockwise:
+    columns = []  # each slot's pieces, one row per owner: one slice per span of devices
+    for k, members in enumerate(plan.slots):
+      if members[0] in plan.blockwise:
+        continue
+      w, column = plan.slot_width[k], []
+      for span in plan.spans(k):
+        if span.round is None:
+          column.append(jnp.zeros((span.devices, w), self.dtype))
           continue
-        w, t = plan.slot_width[k], plan.owner(k, d)
-        if t is None:
-          row.append(jnp.zeros((w,), self.dtype))
-        else:
-          r = plan.rounds[t]
-          item = r.slots[d]
-          share = shares[(item[0], r.split)][item[1], d % r.split]
-          row.append(jnp.pad(share, (0, w - share.shape[0])))
-      rows.append(jnp.concatenate(row) if row else jnp.zeros((0,), self.dtype))
-    sliced = len(plan.blockwise) < len(plan.rounds)
-    recv = jax.lax.all_to_all(jnp.stack(rows), self.axes, 0, 0, tiled=True) if sliced else None
+        g = plan.rounds[span.round].split
+        x = shares[(span.stack, g)][span.first:span.first + span.devices // g]
+        x = x.reshape(span.devices, -1)
+        column.append(jnp.pad(x, ((0, 0), (0, w - x.shape[1]))))
+      columns.append(jnp.concatenate(column))
+    recv = (jax.lax.all_to_all(jnp.concatenate(columns, axis=1), self.axes, 0, 0, tiled=True)
+            if columns else None)
     by_block = blocks_in({t: plan.rounds[t] for t in plan.blockwise}, stacks, self.fmesh,
                           self.dtype)
     return recv, by_block
@@ -225,12 +224,12 @@ class _Exchange:
       (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
       (rows_, cols), ak, sw = shapes[i][1:], ins[i].grid[1], slice_width(ins[i], r.split)
       start = offsets[plan.slot[t]]
-      parts = [sent[d + p, start:start + results[t].size].reshape(results[t].shape)
-               for p in range(r.split)]
+      parts = sent[d:d + r.split, start:start + results[t].size]
+      parts = parts.reshape(r.split, *results[t].shape)
       if t in plan.blockwise:  # part p: blocks q·g + p, q = 0, 1, …
-        x = jnp.stack(parts).reshape(r.split, rows_, n // r.split, ins[i].block[1])
+        x = parts.reshape(r.split, rows_, n // r.split, ins[i].block[1])
         return x.transpose(1, 2, 0, 3).reshape(rows_, cols)
-      x = jnp.stack([x[:, :ak * sw] for x in parts]).reshape(r.split, rows_, ak, sw)
+      x = parts[:, :, :ak * sw].reshape(r.split, rows_, ak, sw)
       x = x.transpose(1, 2, 0, 3).reshape(rows_, ak, r.split * sw)
       return x[:, :, :ins[i].block[1]].reshape(rows_, cols)
     return {item: result(*item) for item in plan.where if item is not None}, [sent]
@@ -274,8 +273,8 @@ class _Exchange:
         return by_block[t][d // r.split]
       bh, sw = outs[i].block[0], out_slice(self.ins[i], self.outs[i], r.split)
       start = plan.back_start[t]
-      x = jnp.concatenate([back[d + p, start:start + bh * sw].reshape(sw, bh).T
-                           for p in range(r.split)], axis=1)
+      x = back[d:d + r.split, start:start + bh * sw].reshape(r.split, sw, bh)
+      x = x.transpose(2, 0, 1).reshape(bh, r.split * sw)
       return x[:, :outs[i].block[1]]
     results = {item: result(*item) for item in plan.where if item is not None}
     return results, [x for x in [back, *received] if x is not None]
