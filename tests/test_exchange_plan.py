@@ -70,6 +70,27 @@ def test_a_slot_is_filled_span_by_span_one_slice_of_a_stack_each():
     assert sum(s.devices for s in plan_.spans(0)) == DEVICES
 
 
+def test_a_buffer_is_filled_in_segments_of_devices_that_lie_in_one_span_of_every_slot():
+  ins = [columns(16, 64), columns(16, 64), columns(16, 16)]
+  rounds = [partial(16, 64, 0, 0, 2, split=4), partial(16, 16, 2, 0, 4),
+            partial(16, 16, 1, 4, 4)]
+  plan = ExchangePlan.of(rounds, ins, ins, gather=False, devices=DEVICES)
+  assert plan.slots == [[0], [1, 2]]
+  assert plan.spans(0) == [Span(8, 0, 0, 0)]  # matrices 0 and 1, 4 devices each
+  assert plan.spans(1) == [Span(4, 1, 2, 0), Span(4, 2, 1, 0)]
+  assert plan.segments([0, 1]) == [
+      (0, 4, [(Span(8, 0, 0, 0), 0), (Span(4, 1, 2, 0), 0)]),
+      (4, 4, [(Span(8, 0, 0, 0), 4), (Span(4, 2, 1, 0), 0)])]
+  # Spans cut finer in one slot cut the others': offsets into their spans.
+  finer = ExchangePlan.of([partial(16, 64, 0, 0, 2, split=4), partial(16, 16, 2, 2, 3)],
+                          ins, ins, gather=False, devices=DEVICES)
+  assert finer.slots == [[0], [1]]
+  assert finer.spans(1) == [Span(2), Span(3, 1, 2, 0), Span(3)]
+  assert [(a, n, [off for _, off in where]) for a, n, where in finer.segments([0, 1])] == [
+      (0, 2, [0, 0]), (2, 3, [2, 0]), (5, 3, [5, 0])]
+  assert plan.segments([]) == []
+
+
 def test_rounds_on_the_same_devices_and_block_wise_rounds_keep_slots_of_their_own():
   # Stack 0's 3-column blocks split over pairs take whole blocks (`by_blocks`): its
   # parts travel apart, in an all-to-all of their own.

@@ -6,6 +6,7 @@ packs and unpacks by it."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Collection
 from typing import NamedTuple, Optional
@@ -170,6 +171,24 @@ class ExchangePlan(NamedTuple):
       else:
         out.append(Span(g, t, i, j))
       d += g
+    return out
+
+  def segments(self, slots: list[int]) -> list[tuple[int, int, list[tuple[Span, int]]]]:
+    """The devices cut wherever a span of one of `slots` starts: (first device, device
+    count, and for each slot the span they lie in and their offset into it). A buffer
+    is filled segment by segment, each a block of whole rows, as a compiler fuses it
+    into the collective that reads it; with one device per segment that is one row per
+    device."""
+    spans = [self.spans(k) for k in slots]
+    starts = [np.cumsum([0] + [s.devices for s in row]).tolist() for row in spans]
+    cuts = sorted({c for row in starts for c in row})
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+      where = []
+      for row, first in zip(spans, starts):
+        k = bisect.bisect_right(first, a) - 1
+        where.append((row[k], a - first[k]))
+      out.append((a, b - a, where))
     return out
 
   def table(self, slot: int) -> list[int]:

@@ -129,22 +129,23 @@ class _Exchange:
     """The exchange in: (what each device received, row s from device s; the block-wise
     rounds' parts)."""
     shares = self.shares(stacks, plan)
-    columns = []  # each slot's pieces, one row per owner: one slice per span of devices
-    for k, members in enumerate(plan.slots):
-      if members[0] in plan.blockwise:
-        continue
-      w, column = plan.slot_width[k], []
-      for span in plan.spans(k):
+    sliced = [k for k, members in enumerate(plan.slots) if members[0] not in plan.blockwise]
+    blocks = []  # the buffer's rows, a segment of devices at a time (`segments`)
+    for _, count, where in plan.segments(sliced):
+      block = []
+      for k, (span, offset) in zip(sliced, where):
+        w = plan.slot_width[k]
         if span.round is None:
-          column.append(jnp.zeros((span.devices, w), self.dtype))
+          block.append(jnp.zeros((count, w), self.dtype))
           continue
         g = plan.rounds[span.round].split
-        x = shares[(span.stack, g)][span.first:span.first + span.devices // g]
-        x = x.reshape(span.devices, -1)
-        column.append(jnp.pad(x, ((0, 0), (0, w - x.shape[1]))))
-      columns.append(jnp.concatenate(column))
-    recv = (jax.lax.all_to_all(jnp.concatenate(columns, axis=1), self.axes, 0, 0, tiled=True)
-            if columns else None)
+        j0, j1 = offset // g, -(-(offset + count) // g)  # the matrices the devices hold
+        x = shares[(span.stack, g)][span.first + j0:span.first + j1]
+        x = x.reshape((j1 - j0) * g, -1)[offset - j0 * g:offset - j0 * g + count]
+        block.append(jnp.pad(x, ((0, 0), (0, w - x.shape[1]))))
+      blocks.append(jnp.concatenate(block, axis=1))
+    recv = (jax.lax.all_to_all(jnp.concatenate(blocks), self.axes, 0, 0, tiled=True)
+            if blocks else None)
     by_block = blocks_in({t: plan.rounds[t] for t in plan.blockwise}, stacks, self.fmesh,
                           self.dtype)
     return recv, by_block
