@@ -13,9 +13,15 @@ from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
 from benchmarks.hlo import collective_ops, collective_stats
+from muon_optax._distributed.exchange_plan import Span, spans_of
 from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
 from muon_optax._distributed.packed_gather import with_packed_gather
-from muon_optax._distributed.plan import per_device_flops, plan_rounds, split_collectives
+from muon_optax._distributed.plan import (
+  per_device_flops,
+  plan_rounds,
+  split_collectives,
+  working_set,
+)
 from muon_optax._distributed.stack_layout import layout_of
 from muon_optax._newton_schulz.plan import newton_schulz_flops
 
@@ -227,6 +233,26 @@ def test_splits_finer_than_the_input_blocks_match_single_device(layout, types):
             else mo.fsdp_shardings(params, mesh))
   want_p, _ = run_steps(optimizer(), params, 5)
   got_p, _ = run_steps(optimizer(placed(mesh, layout)), params, 5, (mesh, pshard))
+  assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("count", [4, 3])
+def test_block_wise_parts_of_a_stack_travel_as_runs_and_match_single_device(count):
+  # A stack of 24×40 matrices in 5-column blocks split over pairs: each part is whole
+  # blocks (`by_blocks`), and consecutive matrices of the stack lie on consecutive
+  # residue classes, which the exchange packs as one slice. A memory cap that fits a
+  # matrix's work over a pair splits 3 of them so, leaving the last pair empty.
+  mesh = mesh_of()
+  params = {"c": {"kernel": jax.random.normal(jax.random.key(5), (count, 24, 40)) * 0.1}}
+  budget = working_set(24, 40, 2)
+  memory = budget / (count * 24 * 40 / 8)  # the cap, as a multiple of the shard
+  rounds = plan_rounds([(count, 24, 40)], 8, col_blocks=[8], budget=budget)
+  assert [r.split for r in rounds] == [2]
+  spans = spans_of([None if item is None else (0, 1, item) for item in rounds[0].slots[::2]])
+  assert spans == [Span(count, 0, 0, 0)] + [Span(4 - count)] * (count < 4)
+  layout = mo.MeshLayout(mesh, params="sharded", memory=memory)
+  want_p, _ = run_steps(optimizer(), params, 5)
+  got_p, _ = run_steps(optimizer(layout), params, 5, (mesh, mo.fsdp_shardings(params, mesh)))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
 
 

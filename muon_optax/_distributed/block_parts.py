@@ -4,9 +4,12 @@ split, with no slicing or padding (`stack_layout.by_blocks`)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from muon_optax._distributed.exchange_plan import segments, spans_of
 from muon_optax._distributed.factor_mesh import FactorMesh
 
 
@@ -21,16 +24,22 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
     classes = fmesh.mesh.size // g
     lead = fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names) - len(fmesh.group_axes(g))]
     first = lambda r: next(x for x in r.slots if x is not None)
+    # Row q goes to the peer of residue class position q: its matrices, filled a
+    # segment of classes at a time, one slice of a stack per run of its matrices.
+    spans = [spans_of([None if rounds[t].slots[q * g] is None else (t, 1, rounds[t].slots[q * g])
+                       for q in range(classes)]) for t in members]
     rows = []
-    for q in range(classes):  # to the peer of residue class position q: its matrices
-      row = []
-      for t in members:
-        r, item = rounds[t], rounds[t].slots[q * g]
-        block = stacks[first(r)[0]].shape[1:]
-        row.append(jnp.zeros(block, dtype).reshape(-1) if item is None
-                   else stacks[item[0]][item[1]].astype(dtype).reshape(-1))
-      rows.append(jnp.concatenate(row))
-    recv = jax.lax.all_to_all(jnp.stack(rows), lead, 0, 0, tiled=True)  # row q: from q·g + p
+    for _, count, where in segments(spans):
+      block = []
+      for t, (span, offset) in zip(members, where):
+        size = math.prod(stacks[first(rounds[t])[0]].shape[1:])
+        if span.round is None:
+          block.append(jnp.zeros((count, size), dtype))
+        else:
+          x = stacks[span.stack][span.first + offset:span.first + offset + count]
+          block.append(x.astype(dtype).reshape(count, size))
+      rows.append(jnp.concatenate(block, axis=1))
+    recv = jax.lax.all_to_all(jnp.concatenate(rows), lead, 0, 0, tiled=True)  # row q: from q·g + p
     start = 0
     for t in members:
       bh, bw = stacks[first(rounds[t])[0]].shape[1:]

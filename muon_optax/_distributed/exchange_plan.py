@@ -98,6 +98,49 @@ class Span(NamedTuple):
   first: int = 0
 
 
+def spans_of(cells: list) -> list[Span]:
+  """Devices in order, each None (no matrix) or (round, split, (stack, index)), as the
+  fewest `Span`s: a split round's g devices share one matrix, its group starting at a
+  multiple of g."""
+  out, d = [], 0
+  while d < len(cells):
+    last = out[-1] if out else None
+    if cells[d] is None:
+      if last is not None and last.round is None:
+        out[-1] = last._replace(devices=last.devices + 1)
+      else:
+        out.append(Span(1))
+      d += 1
+      continue
+    t, g, (i, j) = cells[d]
+    assert d % g == 0, "a split round's groups start at multiples of its split"
+    if (last is not None and (last.round, last.stack) == (t, i)
+        and last.first + last.devices // g == j):
+      out[-1] = last._replace(devices=last.devices + g)
+    else:
+      out.append(Span(g, t, i, j))
+    d += g
+  return out
+
+
+def segments(rows: list[list[Span]]) -> list[tuple[int, int, list[tuple[Span, int]]]]:
+  """The devices cut wherever a span of one of `rows` (the spans of some slots) starts:
+  (first device, device count, and for each slot the span they lie in and their offset
+  into it). A buffer is filled segment by segment, each a block of whole rows, as a
+  compiler fuses it into the collective that reads it; with one device per segment
+  that is one row per device."""
+  starts = [np.cumsum([0] + [s.devices for s in row]).tolist() for row in rows]
+  cuts = sorted({c for row in starts for c in row})
+  out = []
+  for a, b in zip(cuts, cuts[1:]):
+    where = []
+    for row, first in zip(rows, starts):
+      k = bisect.bisect_right(first, a) - 1
+      where.append((row[k], a - first[k]))
+    out.append((a, b - a, where))
+  return out
+
+
 class ExchangePlan(NamedTuple):
   """One exchange's rounds, and what the packing reads from them. Rounds on disjoint
   devices (`plan.placed`) share a slot of the buffers: a device's slot holds the pieces
@@ -150,46 +193,14 @@ class ExchangePlan(NamedTuple):
     return next((t for t in self.slots[slot] if self.rounds[t].slots[device] is not None), None)
 
   def spans(self, slot: int) -> list[Span]:
-    """Slot `slot`'s devices, in order, as the fewest `Span`s: what fills it is one
-    slice of a stack's pieces per span, not one per device."""
-    out, d, n = [], 0, len(self.rounds[0].slots)
-    while d < n:
-      t = self.owner(slot, d)
-      last = out[-1] if out else None
-      if t is None:
-        if last is not None and last.round is None:
-          out[-1] = last._replace(devices=last.devices + 1)
-        else:
-          out.append(Span(1))
-        d += 1
-        continue
-      g, (i, j) = self.rounds[t].split, self.rounds[t].slots[d]
-      assert d % g == 0, "a split round's groups start at multiples of its split"
-      if (last is not None and (last.round, last.stack) == (t, i)
-          and last.first + last.devices // g == j):
-        out[-1] = last._replace(devices=last.devices + g)
-      else:
-        out.append(Span(g, t, i, j))
-      d += g
-    return out
+    """Slot `slot`'s devices, in order, as the fewest `Span`s (`spans_of`)."""
+    owners = [self.owner(slot, d) for d in range(len(self.rounds[0].slots))]
+    return spans_of([None if t is None else (t, self.rounds[t].split, self.rounds[t].slots[d])
+                     for d, t in enumerate(owners)])
 
   def segments(self, slots: list[int]) -> list[tuple[int, int, list[tuple[Span, int]]]]:
-    """The devices cut wherever a span of one of `slots` starts: (first device, device
-    count, and for each slot the span they lie in and their offset into it). A buffer
-    is filled segment by segment, each a block of whole rows, as a compiler fuses it
-    into the collective that reads it; with one device per segment that is one row per
-    device."""
-    spans = [self.spans(k) for k in slots]
-    starts = [np.cumsum([0] + [s.devices for s in row]).tolist() for row in spans]
-    cuts = sorted({c for row in starts for c in row})
-    out = []
-    for a, b in zip(cuts, cuts[1:]):
-      where = []
-      for row, first in zip(spans, starts):
-        k = bisect.bisect_right(first, a) - 1
-        where.append((row[k], a - first[k]))
-      out.append((a, b - a, where))
-    return out
+    """`segments` of these slots' spans."""
+    return segments([self.spans(k) for k in slots])
 
   def table(self, slot: int) -> list[int]:
     """For each device, the index in `slots[slot]` of the round it has a matrix in (0
