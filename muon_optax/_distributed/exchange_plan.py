@@ -1,8 +1,9 @@
 """How the rounds travel, computed at trace time (no jax): in which exchange
 (`chunks`), which rounds share a slot of its buffers (`shared_slots`), which run their
-local work together (`units`), and the static plan of one exchange from the stacks'
-layouts: how wide each round's pieces are and where each slot starts. `sharded_ns`
-packs and unpacks by it."""
+local work together (`units`), how a buffer is filled (`spans_of`, `segments`: a slice
+per run of devices, not one per device), and the static plan of one exchange from the
+stacks' layouts: how wide each round's pieces are and where each slot starts.
+`sharded_ns` packs and unpacks by it."""
 
 from __future__ import annotations
 
