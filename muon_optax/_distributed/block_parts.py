@@ -24,6 +24,7 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
     classes = fmesh.mesh.size // g
     lead = fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names) - len(fmesh.group_axes(g))]
     first = lambda r: next(x for x in r.slots if x is not None)
+    block_of = {t: stacks[first(rounds[t])[0]].shape[1:] for t in members}  # one per round
     # Row q goes to the peer of residue class position q: its matrices, filled a
     # segment of classes at a time, one slice of a stack per run of its matrices.
     spans = [spans_of([None if rounds[t].slots[q * g] is None else (t, 1, rounds[t].slots[q * g])
@@ -32,7 +33,7 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
     for _, count, where in segments(spans):
       block = []
       for t, (span, offset) in zip(members, where):
-        size = math.prod(stacks[first(rounds[t])[0]].shape[1:])
+        size = math.prod(block_of[t])
         if span.round is None:
           block.append(jnp.zeros((count, size), dtype))
         else:
@@ -42,7 +43,7 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
     recv = jax.lax.all_to_all(jnp.concatenate(rows), lead, 0, 0, tiled=True)  # row q: from q·g + p
     start = 0
     for t in members:
-      bh, bw = stacks[first(rounds[t])[0]].shape[1:]
+      bh, bw = block_of[t]
       x = recv[:, start:start + bh * bw].reshape(classes, bh, bw)
       parts[t] = x.transpose(1, 0, 2).reshape(bh, classes * bw)
       start += bh * bw
