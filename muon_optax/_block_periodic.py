@@ -148,12 +148,12 @@ def orthogonalize_blocks(
   `blocks.block_scale`.
 
   A leaf's blocks are its shards along the axis the data axes split: the one
-  `state_shardings` lays its state out on (its largest axis they divide), read from the
-  types on an Explicit mesh. On a mesh each device orthogonalizes its own block in a
-  `shard_map` with no collective; on one device `blocks.blocks` gives the count, and
-  the results equal those of a mesh of that many devices. A leaf no axis of which they
-  divide is one block. The step kind is chosen by `lax.cond` on the state's count, so
-  one executable serves both.
+  `state_shardings` lays its state out on (its largest axis they divide, the last of
+  equals), read from the types on an Explicit mesh. On a mesh each device
+  orthogonalizes its own block in a `shard_map` with no collective; on one device
+  `blocks.blocks` gives the count, and the results equal those of a mesh of that many
+  devices. A leaf no axis of which they divide is one block. The step kind is chosen
+  by `lax.cond` on the state's count, so one executable serves both.
 
   Args:
     blocks: the `BlockPeriodic` schedule.

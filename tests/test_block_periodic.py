@@ -34,12 +34,12 @@ def jordan(fan_in, fan_out):
 
 def blockwise(m, blocks):
   """Each contiguous block of the (…, fan_in, fan_out) leaf `m` along its largest axis
-  that `blocks` divides (the first of equals), orthogonalized alone: the blocks `blocks`
+  that `blocks` divides (the last of equals), orthogonalized alone: the blocks `blocks`
   devices hold under FSDP. Each is brought to the update RMS of the whole matrix's
   polar factor (a semi-orthogonal a×b matrix has RMS 1/√max(a, b)), then given the
   whole matrix's Jordan factor, as every step."""
   axis = max((d for d in range(m.ndim) if m.shape[d] % blocks == 0),
-             key=lambda d: (m.shape[d], -d))
+             key=lambda d: (m.shape[d], d))
   out = []
   for block in np.split(m, blocks, axis=axis):
     mats = block.reshape(-1, *block.shape[-2:])

@@ -25,6 +25,13 @@ def columns(rows, cols, replicas=1):
                 tuple((0, s // replicas, s % replicas) for s in range(DEVICES)))
 
 
+def in_rows(rows, cols):
+  """A stack's layout with its rows split over the devices: a column part of it is a
+  slice of every block, never whole blocks (`by_blocks`)."""
+  return Layout(P(None, "d", None), (DEVICES, 1), (rows // DEVICES, cols), 1,
+                tuple((s, 0, 0) for s in range(DEVICES)))
+
+
 def partial(rows, cols, stack, first, count, split=1):
   """A round of `count` matrices of stack `stack` on devices from `first` on."""
   slots = [None] * DEVICES
@@ -56,7 +63,7 @@ def test_rounds_on_disjoint_devices_share_a_slot_as_wide_as_their_widest_piece()
 
 
 def test_a_slot_is_filled_span_by_span_one_slice_of_a_stack_each():
-  ins = [columns(16, 64), columns(32, 64), columns(16, 64)]
+  ins = [in_rows(16, 64), columns(32, 64), in_rows(16, 64)]
   mixed = Round(16, 64, ((2, 0),) * 2 + ((0, 1),) * 2 + ((0, 2),) * 2 + (None,) * 2, 2)
   rounds = [mixed, partial(32, 64, 1, 6, 2)]
   plan = ExchangePlan.of(rounds, ins, ins, gather=False, devices=DEVICES)
@@ -71,7 +78,7 @@ def test_a_slot_is_filled_span_by_span_one_slice_of_a_stack_each():
 
 
 def test_a_buffer_is_filled_in_segments_of_devices_that_lie_in_one_span_of_every_slot():
-  ins = [columns(16, 64), columns(16, 64), columns(16, 16)]
+  ins = [in_rows(16, 64), columns(16, 64), columns(16, 16)]
   rounds = [partial(16, 64, 0, 0, 2, split=4), partial(16, 16, 2, 0, 4),
             partial(16, 16, 1, 4, 4)]
   plan = ExchangePlan.of(rounds, ins, ins, gather=False, devices=DEVICES)

@@ -7,10 +7,11 @@ from jax.sharding import PartitionSpec as P
 from muon_optax._distributed.layouts import data_spec, divided_axis, stack_spec
 
 
-def test_the_data_axes_split_the_largest_axis_they_divide_first_of_equals():
+def test_the_data_axes_split_the_largest_axis_they_divide_last_of_equals():
   assert divided_axis((64, 256), 8) == 1
   assert divided_axis((256, 64), 8) == 0
-  assert divided_axis((2, 16, 16), 8) == 1  # equals: the first
+  assert divided_axis((2, 16, 16), 8) == 2  # equals: the last (a square kernel's columns)
+  assert divided_axis((16, 16, 2), 8) == 1
   assert divided_axis((6, 10), 4) is None
   assert divided_axis((6, 10), 4, free=[1]) is None
   assert divided_axis((8, 16), 8, free=[0]) == 0

@@ -24,3 +24,13 @@ def test_after_orders_what_it_ties():
     if reached & {str(v) for v in eqn.invars}:
       reached |= {str(v) for v in eqn.outvars}
   assert str(jaxpr.outvars[0]) in reached
+
+
+def test_after_reads_whole_first_rows():
+  # One element of a product is computed ahead of the rest from one row and one column;
+  # an all-to-all among one device is a copy, so a tie on one element of its output would
+  # not wait for the product. The tie reads a whole first row: all one peer sent.
+  jaxpr = jax.make_jaxpr(lambda x, y, v: after(x, [y, v]))(
+      jnp.ones(3), jnp.ones((4, 5)), jnp.ones(6)).jaxpr
+  summed = [e.invars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "reduce_sum"]
+  assert (5,) in summed and (6,) in summed

@@ -48,7 +48,7 @@ class PlainDion2:
     the devices split the leaf's fan-out axis (its largest they divide), else of one."""
     fan_out = b.shape[1]
     split = max((d for d in range(len(leaf_shape)) if leaf_shape[d] % self.groups == 0),
-                key=lambda d: (leaf_shape[d], -d), default=None)
+                key=lambda d: (leaf_shape[d], d), default=None)
     groups = self.groups if split == len(leaf_shape) - 1 else 1
     size, norms = fan_out // groups, np.abs(b).sum(axis=0)
     return np.concatenate([g * size + np.argsort(-norms[g * size:(g + 1) * size], kind="stable")[

@@ -12,7 +12,7 @@ from muon_optax._distributed.plan import padded_cols
 from muon_optax._distributed.stack_layout import by_blocks, layout_of, owned
 
 
-def test_column_parts_take_whole_blocks_when_the_blocks_are_narrow():
+def test_column_parts_take_whole_blocks_where_the_split_divides_the_block_count():
   # 24 columns over 8 devices: blocks of 3. A split of 8 cannot slice a block of 3, so
   # part p takes the blocks p, p + 8, …: exact, no padding, and the plan costs it so.
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("data",))
@@ -23,8 +23,14 @@ def test_column_parts_take_whole_blocks_when_the_blocks_are_narrow():
   assert by_blocks(lay, 8, 8) and by_blocks(lay, 2, 8)
   assert not by_blocks(lay, 1, 8)
   assert padded_cols(24, 8, 8) == 24 and padded_cols(24, 8, 16) == 8 * 16  # 1 column a slice
+  # Blocks of 8 columns could be sliced, 1 column per part, but whole blocks go to one
+  # owner each, among 8 / g devices, not to g owners among all 8.
   wide = layout_of(jax.sharding.NamedSharding(factors.mesh, spec), (1, 16, 64), factors.mesh)
-  assert not by_blocks(wide, 8, 8)  # blocks of 8 columns: sliced, 1 column per part
+  assert by_blocks(wide, 8, 8) and by_blocks(wide, 4, 8)
+  assert not by_blocks(wide, 3, 8)  # 3 does not divide the 8 blocks: sliced, padded
+  rows = layout_of(jax.sharding.NamedSharding(factors.mesh, factors.spec(
+      jax.sharding.PartitionSpec(None, "data"))), (1, 64, 64), factors.mesh)
+  assert not by_blocks(rows, 8, 8)  # blocks of rows: every part is a slice of every block
 
 
 def test_a_layout_keeps_the_matrix_axes_it_can_and_finds_replicas():

@@ -4,6 +4,7 @@ split, with no slicing or padding (`stack_layout.by_blocks`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -15,7 +16,9 @@ from muon_optax._distributed.factor_mesh import FactorMesh
 
 def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
   """The block-mode rounds' exchange in, one all-to-all per split among the devices of a
-  residue: {round index: this device's column part (rows, cols / g)}. In such a round
+  residue: {round index: a function giving this device's column part (rows, cols / g)},
+  assembled when its unit runs, so that the parts of units yet to run are not live
+  beside its Newton–Schulz temporaries. In such a round
   the g devices q·g + p own part p of the round's matrix q, and device s sends its block
   of matrix q to device q·g + s mod g."""
   parts = {}
@@ -43,29 +46,38 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
     recv = jax.lax.all_to_all(jnp.concatenate(rows), lead, 0, 0, tiled=True)  # row q: from q·g + p
     start = 0
     for t in members:
-      bh, bw = block_of[t]
-      x = recv[:, start:start + bh * bw].reshape(classes, bh, bw)
-      parts[t] = x.transpose(1, 0, 2).reshape(bh, classes * bw)
-      start += bh * bw
+      parts[t] = functools.partial(_part, recv, start, *block_of[t])
+      start += math.prod(block_of[t])
   return parts
 
 
-def blocks_out(rounds, results, fmesh: FactorMesh, dtype):
+def _part(recv, start: int, bh: int, bw: int):
+  """A column part from the blocks at `start` of each row of `recv` (one row a class)."""
+  x = recv[:, start:start + bh * bw].reshape(recv.shape[0], bh, bw)
+  return x.transpose(1, 0, 2).reshape(bh, recv.shape[0] * bw)
+
+
+def block_rows(result, classes: int):
+  """A block-wise round's result (its column part) as its owner sends it back: row q
+  holds the block of the device at position q of its residue class. Made as soon as
+  the result is, so that the result itself need not be kept for the way back."""
+  return result.reshape(result.shape[0], classes, -1).transpose(1, 0, 2).reshape(classes, -1)
+
+
+def blocks_out(rounds, sent, fmesh: FactorMesh, dtype):
   """The block-mode rounds' way back: each owner sends every device of its residue class
-  that device's block of its part: ({round index: this device's block of matrix q, by q},
-  the collectives' outputs)."""
+  that device's block of its part (`sent`: the rounds' `block_rows`): ({round index:
+  this device's block of matrix q, by q}, the collectives' outputs)."""
   back, received = {}, []
   for g in sorted({rounds[t].split for t in rounds}):
     members = [t for t in rounds if rounds[t].split == g]
-    classes = fmesh.mesh.size // g
-    lead = fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names) - len(fmesh.group_axes(g))]
-    chunks = [results[t].reshape(results[t].shape[0], classes, -1).transpose(1, 0, 2)
-              .reshape(classes, -1).astype(dtype) for t in members]
-    recv = jax.lax.all_to_all(jnp.concatenate(chunks, axis=1), lead, 0, 0, tiled=True)
+    recv = jax.lax.all_to_all(jnp.concatenate([sent[t].astype(dtype) for t in members], axis=1),
+                              fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names)
+                                                    - len(fmesh.group_axes(g))], 0, 0, tiled=True)
     received.append(recv)
     start = 0
-    for t, chunk in zip(members, chunks):
-      rows_, bw = results[t].shape[0], results[t].shape[1] // classes
-      back[t] = recv[:, start:start + chunk.shape[1]].reshape(classes, rows_, bw)
-      start += chunk.shape[1]
+    for t in members:
+      size, rows_ = sent[t].shape[1], rounds[t].rows
+      back[t] = recv[:, start:start + size].reshape(recv.shape[0], rows_, size // rows_)
+      start += size
   return back, received

@@ -168,9 +168,13 @@ class ExchangePlan(NamedTuple):
     members = lambda r: [item[0] for item in r.slots if item is not None]
     round_width = [max(ins[i].grid[1] * slice_width(ins[i], r.split) for i in members(r))
                    for r in rounds]
-    blockwise = {t for t, r in enumerate(rounds)
-                 if all(by_blocks(ins[i], r.split, devices) and (gather or outs[i] == ins[i])
-                        for i in members(r))}
+    # Whole blocks where a block cannot be sliced into the split's parts unpadded; and
+    # where every round can go so, as then no all-to-all over all the devices is needed.
+    can = {t for t, r in enumerate(rounds)
+           if all(by_blocks(ins[i], r.split, devices) and (gather or outs[i] == ins[i])
+                  for i in members(r))}
+    narrow = {t for t in can if any(ins[i].block[1] % rounds[t].split for i in members(rounds[t]))}
+    blockwise = can if len(can) == len(rounds) else narrow
     where = {}
     for t, r in enumerate(rounds):
       for d, item in enumerate(r.slots):

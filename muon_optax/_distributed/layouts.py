@@ -76,13 +76,17 @@ def mirrored_param(path: str, shape: tuple[int, ...], param_shapes: Mapping[str,
 
 def divided_axis(shape: tuple[int, ...], size: int,
                  free: Optional[list[int]] = None) -> Optional[int]:
-  """The axis `size` devices split a leaf of `shape` along: its largest (the first of
-  equals) among `free` (default all) that `size` divides; None if there is none."""
+  """The axis `size` devices split a leaf of `shape` along: its largest (the last of
+  equals) among `free` (default all) that `size` divides; None if there is none.
+  The last of equals: a square kernel (fan_in, fan_out) lies in blocks of columns, as
+  every other matrix does seen wide (its longer axis), so that a column part of any
+  matrix is whole blocks (`stack_layout.by_blocks`), which travel among n/g devices,
+  not all n."""
   free = range(len(shape)) if free is None else free
   fits = [d for d in free if shape[d] % size == 0]
   if not fits:
     return None
-  return max(fits, key=lambda d: (shape[d], -d))
+  return max(fits, key=lambda d: (shape[d], d))
 
 
 def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str, ...]) -> P:
@@ -159,7 +163,8 @@ def kept_spec(spec: P, shape: tuple[int, ...]) -> P:
 
 def fsdp_shardings(params: Any, mesh: Mesh, data_axis: DataAxis = "data") -> Any:
   """FSDP / ZeRO-3 layout of `params`: each leaf split along `data_axis` on its largest
-  dimension that the axis size divides; leaves with none stay replicated.
+  dimension that the axis size divides (the last of equals: a square kernel's
+  columns, see `divided_axis`); leaves with none stay replicated.
 
   Examples:
     >>> import jax, jax.numpy as jnp, muon_optax as mo

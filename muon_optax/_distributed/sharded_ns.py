@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.block_parts import blocks_in, blocks_out
+from muon_optax._distributed.block_parts import block_rows, blocks_in, blocks_out
 from muon_optax._distributed.exchange_plan import (
   ExchangePlan,
   chunks,
@@ -166,7 +166,7 @@ class _Exchange:
     """This device's matrix (or column part) of round t. A device with none in it gets
     whatever its slot holds: its result is never read."""
     if t in plan.blockwise:
-      return by_block[t]
+      return by_block[t]()
     r, start = plan.rounds[t], plan.start[t]
     keys, table = self.variants(r)
     return _switch(table, [self.assembler(i, r, plan.round_width[t]) for i in keys], self.axes,
@@ -249,9 +249,12 @@ class _Exchange:
 
   def to_send(self, t: int, x, plan: ExchangePlan):
     """What goes back of round t's result x: every device's block of it, one row per
-    device (all of it when gathered or block-wise)."""
-    if self.gather or t in plan.blockwise:
+    device (all of it when gathered; a block-wise round's, by its residue class:
+    `block_rows`)."""
+    if self.gather:
       return x
+    if t in plan.blockwise:
+      return block_rows(x, self.n // plan.rounds[t].split)
     r = plan.rounds[t]
     keys, table = self.variants(r)
     return _switch(table, [self.blocks_of(i, r, plan.back_width[t]) for i in keys], self.axes,

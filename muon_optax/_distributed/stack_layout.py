@@ -53,12 +53,13 @@ def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:
 
 def by_blocks(lay: Layout, split: int, devices: int) -> bool:
   """Whether a stack's column parts take whole blocks: its columns lie in one block per
-  device (device s holds block s, no replicas) and `split` divides the block count but
-  not the block width. Part p of a matrix is then blocks p, p + g, p + 2g, …, which
-  devices send to its owner in an all-to-all among the devices of one residue mod g."""
+  device (device s holds block s, no replicas) and `split` divides the block count.
+  Part p of a matrix is then blocks p, p + g, p + 2g, …, which devices send to its
+  owner in an all-to-all among the devices of one residue mod g: each device sends a
+  block to one owner, in a collective over n/g devices, where slicing every block
+  into g pieces would send to g owners, in one over all n."""
   return (split > 1 and lay.grid == (1, devices) and lay.replicas == 1
-          and all(w[1] == s for s, w in enumerate(lay.where))
-          and lay.block[1] % split != 0 and devices % split == 0)
+          and all(w[1] == s for s, w in enumerate(lay.where)) and devices % split == 0)
 
 
 def owned(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
