@@ -41,7 +41,7 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
           block.append(jnp.zeros((count, size), dtype))
         else:
           x = stacks[span.stack][span.first + offset:span.first + offset + count]
-          block.append(x.astype(dtype).reshape(count, size))
+          block.append(jnp.swapaxes(x.astype(dtype), 1, 2).reshape(count, size))  # (bw, bh)
       rows.append(jnp.concatenate(block, axis=1))
     recv = jax.lax.all_to_all(jnp.concatenate(rows), lead, 0, 0, tiled=True)  # row q: from q·g + p
     start = 0
@@ -52,9 +52,10 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
 
 
 def _part(recv, start: int, bh: int, bw: int):
-  """A column part from the blocks at `start` of each row of `recv` (one row a class)."""
-  x = recv[:, start:start + bh * bw].reshape(recv.shape[0], bh, bw)
-  return x.transpose(1, 0, 2).reshape(bh, recv.shape[0] * bw)
+  """A column part from the transposed blocks at `start` of each row of `recv` (one row
+  a class): they stack up as the part's transpose, one reshape and a 2-D transpose,
+  which a compiler folds into the products that read it."""
+  return recv[:, start:start + bh * bw].reshape(recv.shape[0] * bw, bh).T
 
 
 def block_rows(result, classes: int):
