@@ -14,6 +14,12 @@ from muon_optax._distributed.exchange_plan import segments, spans_of
 from muon_optax._distributed.factor_mesh import FactorMesh
 
 
+def _class_axes(fmesh: FactorMesh, g: int) -> tuple[str, ...]:
+  """The mesh axes that run over a residue class mod g: all but a group's trailing ones."""
+  names = fmesh.mesh.axis_names
+  return names[:len(names) - len(fmesh.group_axes(g))]
+
+
 def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
   """The block-mode rounds' exchange in, one all-to-all per split among the devices of a
   residue: {round index: a function giving this device's column part (rows, cols / g)},
@@ -25,7 +31,7 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
   for g in sorted({rounds[t].split for t in rounds}):
     members = [t for t in rounds if rounds[t].split == g]
     classes = fmesh.mesh.size // g
-    lead = fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names) - len(fmesh.group_axes(g))]
+    lead = _class_axes(fmesh, g)
     first = lambda r: next(x for x in r.slots if x is not None)
     block_of = {t: stacks[first(rounds[t])[0]].shape[1:] for t in members}  # one per round
     # Row q goes to the peer of residue class position q: its matrices, filled a
@@ -73,8 +79,7 @@ def blocks_out(rounds, sent, fmesh: FactorMesh, dtype):
   for g in sorted({rounds[t].split for t in rounds}):
     members = [t for t in rounds if rounds[t].split == g]
     recv = jax.lax.all_to_all(jnp.concatenate([sent[t].astype(dtype) for t in members], axis=1),
-                              fmesh.mesh.axis_names[:len(fmesh.mesh.axis_names)
-                                                    - len(fmesh.group_axes(g))], 0, 0, tiled=True)
+                              _class_axes(fmesh, g), 0, 0, tiled=True)
     received.append(recv)
     start = 0
     for t in members:
