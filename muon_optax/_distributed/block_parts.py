@@ -66,9 +66,11 @@ def _part(recv, start: int, bh: int, bw: int):
 
 def block_rows(result, classes: int):
   """A block-wise round's result (its column part) as its owner sends it back: row q
-  holds the block of the device at position q of its residue class. Made as soon as
-  the result is, so that the result itself need not be kept for the way back."""
-  return result.reshape(result.shape[0], classes, -1).transpose(1, 0, 2).reshape(classes, -1)
+  holds the block of the device at position q of its residue class, transposed (its
+  transpose's row block: a reshape, where a block's own rows would be a relayout, and
+  a narrow block's last axis is padded to a TPU's 128-lane tiles). Made as soon as the
+  result is, so that the result itself need not be kept for the way back."""
+  return result.T.reshape(classes, -1)
 
 
 def blocks_out(rounds, sent, fmesh: FactorMesh, dtype):
@@ -84,6 +86,7 @@ def blocks_out(rounds, sent, fmesh: FactorMesh, dtype):
     start = 0
     for t in members:
       size, rows_ = sent[t].shape[1], rounds[t].rows
-      back[t] = recv[:, start:start + size].reshape(recv.shape[0], rows_, size // rows_)
+      blocks = recv[:, start:start + size].reshape(recv.shape[0], size // rows_, rows_)
+      back[t] = [block.T for block in blocks]  # each transposed where it is read
       start += size
   return back, received
