@@ -7,11 +7,11 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 
 from muon_optax._distributed.exchange_plan import segments, spans_of
 from muon_optax._distributed.factor_mesh import FactorMesh
+from muon_optax._distributed.peer_rows import to_peers
 
 
 def _class_axes(fmesh: FactorMesh, g: int) -> tuple[str, ...]:
@@ -49,7 +49,7 @@ def blocks_in(rounds, stacks, fmesh: FactorMesh, dtype):
           x = stacks[span.stack][span.first + offset:span.first + offset + count]
           block.append(jnp.swapaxes(x.astype(dtype), 1, 2).reshape(count, size))  # (bw, bh)
       rows.append(jnp.concatenate(block, axis=1))
-    recv = jax.lax.all_to_all(jnp.concatenate(rows), lead, 0, 0, tiled=True)  # row q: from q·g + p
+    recv = to_peers(rows, lead)  # row q: from q·g + p
     start = 0
     for t in members:
       parts[t] = functools.partial(_part, recv, start, *block_of[t])
@@ -61,7 +61,7 @@ def _part(recv, start: int, bh: int, bw: int):
   """A column part from the transposed blocks at `start` of each row of `recv` (one row
   a class): they stack up as the part's transpose, one reshape and a 2-D transpose,
   which a compiler folds into the products that read it."""
-  return recv[:, start:start + bh * bw].reshape(recv.shape[0] * bw, bh).T
+  return recv[:, 0, start:start + bh * bw].reshape(recv.shape[0] * bw, bh).T
 
 
 def block_rows(result, classes: int):
@@ -80,13 +80,13 @@ def blocks_out(rounds, sent, fmesh: FactorMesh, dtype):
   back, received = {}, []
   for g in sorted({rounds[t].split for t in rounds}):
     members = [t for t in rounds if rounds[t].split == g]
-    recv = jax.lax.all_to_all(jnp.concatenate([sent[t].astype(dtype) for t in members], axis=1),
-                              _class_axes(fmesh, g), 0, 0, tiled=True)
+    recv = to_peers([jnp.concatenate([sent[t].astype(dtype) for t in members], axis=1)],
+                    _class_axes(fmesh, g))
     received.append(recv)
     start = 0
     for t in members:
       size, rows_ = sent[t].shape[1], rounds[t].rows
-      blocks = recv[:, start:start + size].reshape(recv.shape[0], size // rows_, rows_)
+      blocks = recv[:, 0, start:start + size].reshape(recv.shape[0], size // rows_, rows_)
       back[t] = [block.T for block in blocks]  # each transposed where it is read
       start += size
   return back, received

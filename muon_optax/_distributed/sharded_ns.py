@@ -54,6 +54,7 @@ from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
 from muon_optax._distributed.in_place import in_place
 from muon_optax._distributed.layouts import shard_mapped, spec_axes
 from muon_optax._distributed.order import after
+from muon_optax._distributed.peer_rows import from_every_peer, to_peers
 from muon_optax._distributed.plan import (
   FLOPS_PER_BYTE,
   Round,
@@ -144,8 +145,7 @@ class _Exchange:
         x = x.reshape((j1 - j0) * g, -1)[offset - j0 * g:offset - j0 * g + count]
         block.append(jnp.pad(x, ((0, 0), (0, w - x.shape[1]))))
       blocks.append(jnp.concatenate(block, axis=1))
-    recv = (jax.lax.all_to_all(jnp.concatenate(blocks), self.axes, 0, 0, tiled=True)
-            if blocks else None)
+    recv = to_peers(blocks, self.axes) if blocks else None
     by_block = blocks_in({t: plan.rounds[t] for t in plan.blockwise}, stacks, self.fmesh,
                           self.dtype)
     return recv, by_block
@@ -170,7 +170,7 @@ class _Exchange:
     r, start = plan.rounds[t], plan.start[t]
     keys, table = self.variants(r)
     return _switch(table, [self.assembler(i, r, plan.round_width[t]) for i in keys], self.axes,
-                   self.sizes, recv[:, start:start + plan.width[t]])
+                   self.sizes, recv[:, 0, start:start + plan.width[t]])
 
   def solve(self, recv, by_block, plan: ExchangePlan, keep: Callable) -> list:
     """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
@@ -215,17 +215,17 @@ class _Exchange:
     Returns the results and the collective's output."""
     n, ins, shapes = self.n, self.ins, self.shapes
     sizes = [max(results[t].size for t in members) for members in plan.slots]
-    sent = jax.lax.all_gather(
+    sent = from_every_peer(
         jnp.concatenate([self.shared(plan, k, [results[t].reshape(-1) for t in members], size)
                          for k, (members, size) in enumerate(zip(plan.slots, sizes))]),
-        self.axes, tiled=False)
+        self.axes)
     offsets = np.cumsum([0] + sizes)
 
     def result(i, j):
       (t, d), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]
       (rows_, cols), ak, sw = shapes[i][1:], ins[i].grid[1], slice_width(ins[i], r.split)
       start = offsets[plan.slot[t]]
-      parts = sent[d:d + r.split, start:start + results[t].size]
+      parts = sent[d:d + r.split, 0, start:start + results[t].size]
       parts = parts.reshape(r.split, *results[t].shape)
       if t in plan.blockwise:  # part p: blocks q·g + p, q = 0, 1, …
         x = parts.reshape(r.split, rows_, n // r.split, ins[i].block[1])
@@ -266,8 +266,7 @@ class _Exchange:
     outs = self.outs
     parts = [self.shared(plan, k, [sent[t] for t in members], plan.back_slot_width[k])
              for k, members in enumerate(plan.slots) if members[0] not in plan.blockwise]
-    back = (jax.lax.all_to_all(jnp.concatenate(parts, axis=1), self.axes, 0, 0, tiled=True)
-            if parts else None)
+    back = to_peers([jnp.concatenate(parts, axis=1)], self.axes) if parts else None
     by_block, received = blocks_out({t: plan.rounds[t] for t in plan.blockwise}, sent,
                                      self.fmesh, self.dtype)
 
@@ -277,7 +276,7 @@ class _Exchange:
         return by_block[t][d // r.split]
       bh, sw = outs[i].block[0], out_slice(self.ins[i], self.outs[i], r.split)
       start = plan.back_start[t]
-      x = back[d:d + r.split, start:start + bh * sw].reshape(r.split, sw, bh)
+      x = back[d:d + r.split, 0, start:start + bh * sw].reshape(r.split, sw, bh)
       x = x.transpose(2, 0, 1).reshape(bh, r.split * sw)
       return x[:, :outs[i].block[1]]
     results = {item: result(*item) for item in plan.where if item is not None}
