@@ -3,6 +3,7 @@ topology of 8 chips (`jax.experimental.topologies`), no TPU needed. Skipped wher
 libtpu is not installed (`pip install -e ".[all,tpu]"` installs it)."""
 
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -153,3 +154,27 @@ def test_newton_schulz_takes_the_defaults_of_the_mesh_platform(chips):
   text = lower_update(mo.muon(0.02, mesh=mesh), gpt_tree(layers=2), mesh, "fsdp").as_text()
   products = [line for line in text.splitlines() if "dot_general" in line]
   assert products and any("bf16" in line for line in products)
+
+
+def _relaid_collective_outputs(text: str) -> list[str]:
+  """The fusions that read one collective's output whole into as many elements: a
+  relayout of the whole buffer."""
+  shape = r"(\w+)\[([\d,]*)\]"
+  size = lambda dims: int(np.prod([int(d) for d in dims.split(",") if d]))
+  outputs = {}
+  for m in re.finditer(rf"%([\w.-]+) = {shape}\{{[^}}]*\}} (?:all-to-all|all-gather)\(", text):
+    outputs[m.group(1)] = size(m.group(3))
+  return [m.group(0)[:80] for m in re.finditer(rf"%[\w.-]+ = {shape}\{{[^}}]*\}} fusion\(%([\w.-]+)\)",
+                                               text)
+          if m.group(3) in outputs and size(m.group(2)) == outputs[m.group(3)]]
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "zero1"])
+def test_exchange_buffers_are_read_where_the_collectives_write_them(chips, kind):
+  # A TPU lays a collective's rows out a tile each; a (devices, width) view of them is a
+  # copy of the whole buffer (`peer_rows`), on each side of every exchange.
+  mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
+  layout = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded")
+  text = compile_update(mo.muon(0.02, mesh=layout), gpt_tree(d=256), mesh, kind).as_text()
+  assert "all-to-all(" in text
+  assert _relaid_collective_outputs(text) == []

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.layouts import data_spec, explicit_spec, shard_mapped, spec_axes
+from muon_optax._distributed.peer_rows import from_every_peer
 
 
 def _blocks(spec: P, shape: tuple[int, ...], mesh: Mesh):
@@ -44,12 +45,12 @@ def _gather_packed(xs: list[jax.Array], plans: list, mesh: Mesh) -> list[jax.Arr
   reassembled from the blocks of the devices that hold them (`plans`: `_blocks`)."""
   dtype = jnp.result_type(*xs)
   flat = jnp.concatenate([x.reshape(-1).astype(dtype) for x in xs])
-  every = jax.lax.all_gather(flat, tuple(mesh.axis_names), tiled=False)  # (devices, size)
+  every = from_every_peer(flat, tuple(mesh.axis_names))  # (devices, 1, size)
   out, start = [], 0
   for x, (grid, holders) in zip(xs, plans):
     size = x.size
     shape = tuple(b * g for b, g in zip(x.shape, grid))
-    y = every[holders, start:start + size].reshape(*grid, *x.shape)
+    y = every[holders, 0, start:start + size].reshape(*grid, *x.shape)
     rank = len(shape)  # interleave (blocks, block) back into the logical axes
     y = y.transpose([i for d in range(rank) for i in (d, d + rank)]).reshape(shape)
     out.append(y.astype(x.dtype))
