@@ -17,6 +17,8 @@ from muon_optax._distributed.exchange_plan import Span, spans_of
 from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
 from muon_optax._distributed.packed_gather import with_packed_gather
 from muon_optax._distributed.plan import (
+  PRODUCT_CHUNKS,
+  memory_budget,
   per_device_flops,
   plan_rounds,
   split_collectives,
@@ -474,19 +476,26 @@ def test_split_matrices_add_a_fixed_number_of_collectives_per_step():
                                 mo.NewtonSchulz("jordan", steps=5),
                                 mo.NewtonSchulz(gram=False, compute_dtype="bfloat16")],
                          ids=["gram", "standard", "jordan", "bfloat16"])
-@pytest.mark.parametrize("shape", [(64, 128), (6, 64), (4096, 8192)],
-                         ids=["rows split", "rows whole", "products in blocks"])
-def test_the_plan_counts_the_collectives_a_split_runs(ns, shape):
+@pytest.mark.parametrize("shape, memory, blocks", [
+    ((64, 128), math.inf, 1), ((6, 64), math.inf, 1), ((4096, 8192), math.inf, 1),
+    ((4096, 8192), 4.6, PRODUCT_CHUNKS)],
+    ids=["rows split", "rows whole", "products whole", "products in blocks"])
+def test_the_plan_counts_the_collectives_a_split_runs(ns, shape, memory, blocks):
   # 2 matrices on 8 devices, each split over 4: the plan's count (which prices a split's
-  # fixed cost) is what the compiled iteration runs in its scope (compiled, not run). No
-  # memory cap: the default's would split the 4096-row matrices over 8.
+  # fixed cost) is what the compiled iteration runs in its scope (compiled, not run).
+  # With no memory cap the 4096-row matrices form their m×m products whole; under a cap
+  # their work fits only with the products in blocks (the default's would split them
+  # over 8).
   params = {f"l{k}": {"kernel": jax.ShapeDtypeStruct(shape, jnp.float32)} for k in range(2)}
   mesh = mesh_of()
-  program = compiled_update(mo.muon(0.02, ns=ns, mesh=placed(mesh, memory=math.inf)), params,
+  program = compiled_update(mo.muon(0.02, ns=ns, mesh=placed(mesh, memory=memory)), params,
                             mesh, "fsdp").as_text()
   shared = [op for op, _, _, name in collective_ops(program) if SHARED_MATRIX_SCOPE in name]
-  assert {r.split for r in plan_rounds([(2, *shape)], 8, ns, flops_per_byte=FLOPS_ALONE)} == {4}
-  assert len(shared) == split_collectives(*shape, 4, ns)
+  budget = memory_budget([(2, *shape)], 8, memory)
+  assert {r.split for r in plan_rounds([(2, *shape)], 8, ns, flops_per_byte=FLOPS_ALONE,
+                                       budget=budget)} == {4}
+  assert (working_set(*shape, 4, chunks=1) <= (budget or math.inf)) == (blocks == 1)
+  assert len(shared) == split_collectives(*shape, 4, ns, chunks=blocks)
 
 
 def test_fewer_collective_bytes_than_optax_contrib_muon():

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.factor_mesh import FactorMesh
 from muon_optax._distributed.layouts import shard_mapped
+from muon_optax._distributed.plan import PRODUCT_CHUNKS
 from muon_optax._newton_schulz.iteration import Matmul
 
 
@@ -71,16 +72,16 @@ def test_row_blocks_of_a_group(g):
 
 @pytest.mark.parametrize("g", [2, 4, 8])
 @pytest.mark.parametrize("cols", [8, 64])  # narrow and wide parts
-@pytest.mark.parametrize("chunked_above", [0, 32])  # formed in blocks; whole (m = 32)
+@pytest.mark.parametrize("chunks", [PRODUCT_CHUNKS, 1])  # formed in blocks; whole
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
-def test_row_block_products_a_block_at_a_time(g, cols, chunked_above, operands):
+def test_row_block_products_a_block_at_a_time(g, cols, chunks, operands):
   # The products of a shared matrix's row blocks, formed a few columns (or rows) at a
   # time or whole, equal the whole-matrix products, exactly (small-integer entries, exact
   # in 16 bits too). An m×m factor is gathered as the product reads it: in 16 bits with
   # 16-bit operands, half the bytes.
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   factors = FactorMesh.of(mesh)
-  blocks = factors.row_blocks(g, chunked_above)
+  blocks = factors.row_blocks(g, chunks)
   m = 32
   key_a, key_b, key_x = jax.random.split(jax.random.key(1), 3)
   a, b = (jax.random.randint(k, (m, m), -3, 4).astype(jnp.float32) for k in (key_a, key_b))

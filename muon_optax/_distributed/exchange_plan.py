@@ -1,21 +1,23 @@
 """How the rounds travel, computed at trace time (no jax): in which exchange
 (`chunks`), which rounds share a slot of its buffers (`shared_slots`), which run their
-local work together (`units`), how a buffer is filled (`spans_of`, `segments`: a slice
-per run of devices, not one per device), and the static plan of one exchange from the
-stacks' layouts: how wide each round's pieces are and where each slot starts.
-`sharded_ns` packs and unpacks by it."""
+local work together and how they form their m×m products (`units`), how a buffer is
+filled (`spans_of`, `segments`: a slice per run of devices, not one per device), and the
+static plan of one exchange from the stacks' layouts: how wide each round's pieces are
+and where each slot starts. `sharded_ns` packs and unpacks by it."""
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from collections.abc import Collection
 from typing import NamedTuple, Optional
 
 import numpy as np
 
-from muon_optax._distributed.plan import Round, working_set
+from muon_optax._distributed.plan import Round, product_chunks, split_collectives, working_set
 from muon_optax._distributed.stack_layout import Layout, by_blocks
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
 
 def shared_slots(rounds: list[Round], apart: Collection[int] = ()) -> list[list[int]]:
@@ -50,22 +52,55 @@ def chunks(rounds: list[Round], count: int) -> list[list[Round]]:
   return chunks
 
 
-def units(rounds: list[Round], budget: Optional[float]) -> list[list[int]]:
-  """The rounds (by index) in the order their local work runs: a round of whole
-  matrices alone (it has no collective inside, and one matrix's Newton–Schulz
-  temporaries are live at a time); the split rounds of one (shape, split) together, as
-  many as fit `budget` (float32 elements, `working_set` each; None: all), so that each
-  of their collectives (the Gram sums, the row-block gathers) serves all of them."""
+class Unit(NamedTuple):
+  """Rounds (by index) whose local work runs together, their m×m products formed in
+  `chunks` blocks (`FactorMesh.row_blocks`; 1: whole)."""
+
+  rounds: list[int]
+  chunks: int = 1
+
+
+def unit_size(rows: int, cols: int, split: int, count: int, budget: Optional[float],
+              whole_budget: Optional[float], ns: NewtonSchulz) -> tuple[int, int]:
+  """(rounds a unit holds, blocks its products are formed in) for `count` split rounds
+  of one kind: the fewest collectives a step launches for all of them
+  (`split_collectives` per unit), each unit's `working_set` within `budget` (float32
+  elements; None: no cap), and within `whole_budget` with its products whole (where
+  they can be formed in blocks at all, `product_chunks`); ties to the blocks. Where
+  nothing fits: one round a unit, in the most blocks."""
+  most, options = product_chunks(rows), []
+  for chunks, cap in [(most, budget)] + [(1, whole_budget)] * (most > 1):
+    size = count if cap is None else min(count, int(cap // working_set(rows, cols, split,
+                                                                       chunks)))
+    if size:
+      launches = -(-count // size) * split_collectives(rows, cols, split, ns, chunks)
+      options.append((launches, -chunks, size))
+  if not options:
+    return 1, most
+  _, chunks, size = min(options)
+  return size, -chunks
+
+
+def units(rounds: list[Round], budget: Optional[float], whole_budget: Optional[float],
+          ns: NewtonSchulz = DEFAULT_NS) -> list[Unit]:
+  """The rounds in the order their local work runs: a round of whole matrices alone (it
+  has no collective inside, and one matrix's Newton–Schulz temporaries are live at a
+  time); the split rounds of one (shape, split) together, as many as fit `budget`
+  (float32 elements; None: all), so that each of their collectives (the Gram sums, the
+  row-block gathers) serves all of them, with their products whole where that fits
+  `whole_budget` and launches fewer collectives (`unit_size`)."""
+  count = Counter((r.rows, r.cols, r.split) for r in rounds if r.split > 1)
+  sizes = {kind: unit_size(*kind, n, budget, whole_budget, ns) for kind, n in count.items()}
   units, open_units = [], {}  # open_units: the last unit of each kind of split round
   for t, r in enumerate(rounds):
     kind = (r.rows, r.cols, r.split)
     unit = open_units.get(kind)
-    if unit is not None and (budget is None or (len(unit) + 1) * working_set(*kind) <= budget):
-      unit.append(t)
-    else:
-      units.append([t])
-      if r.split > 1:
-        open_units[kind] = units[-1]
+    if unit is not None and len(unit.rounds) < sizes[kind][0]:
+      unit.rounds.append(t)
+      continue
+    units.append(Unit([t], sizes[kind][1] if r.split > 1 else 1))
+    if r.split > 1:
+      open_units[kind] = units[-1]
   return units
 
 

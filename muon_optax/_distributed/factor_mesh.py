@@ -13,13 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.layouts import spec_axes
 from muon_optax._distributed.order import after
-from muon_optax._distributed.plan import (
-  CHUNKED_ABOVE_ROWS,
-  apply_blocks,
-  group_sizes,
-  prime_factors,
-  product_chunks,
-)
+from muon_optax._distributed.plan import apply_blocks, group_sizes, prime_factors
 from muon_optax._newton_schulz.iteration import RowBlocks
 
 # The collectives of a matrix shared by a group of devices (its Gram sums and the whole
@@ -82,13 +76,12 @@ class FactorMesh(NamedTuple):
     with jax.named_scope(SHARED_MATRIX_SCOPE):
       return jax.lax.pmax(x, axes) if op is jnp.maximum else jax.lax.psum(x, axes)
 
-  def row_blocks(self, g: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> RowBlocks:
+  def row_blocks(self, g: int, chunks: int = 1) -> RowBlocks:
     """The m×m matrices of a matrix shared by g devices, one block of rows on each
     (see `newton_schulz_column_parts`): Gram sums reduce-scattered, whole matrices
-    all-gathered, both over the group; the products of matrices with more rows than
-    `chunked_above` formed a few blocks at a time (`product_chunks`)."""
+    all-gathered, both over the group; their products formed `chunks` blocks at a
+    time (1: whole; `exchange_plan.units` says where blocks are needed)."""
     axes = self.group_axes(g)
-    chunks = lambda rows: product_chunks(rows, chunked_above)
 
     def rows(x):
       h, axis = x.shape[-2] // g, x.ndim - 2
@@ -107,7 +100,7 @@ class FactorMesh(NamedTuple):
       # a's rows of A B, B's whole columns gathered one block at a time, each once the
       # last block's product is done (the first once A is): so that only one is live,
       # and a second product with the same B gathers its own instead of keeping these.
-      k = math.gcd(chunks(b.shape[-1]), b.shape[-1])
+      k = math.gcd(chunks, b.shape[-1])
       b = mm.operand(b)  # gathered as the product reads it
       if k == 1:  # a small B, gathered whole: products with the same B share it
         return mm(a, gather(b))
@@ -127,7 +120,7 @@ class FactorMesh(NamedTuple):
       # (`apply_blocks`); else M is gathered whole.
       batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
       k = apply_blocks(a.shape[-1], n, g, jnp.dtype(mm.operands).itemsize, x.dtype.itemsize,
-                       chunked_above)
+                       chunks)
       a = mm.operand(a)  # gathered as the product reads it
       if k == 1:
         return mm(gather(a), x)
@@ -145,7 +138,7 @@ class FactorMesh(NamedTuple):
       # does): block Xᵀ copies all of X, the transpose of X blockᵀ copies the block
       # and the product instead, which is less where X's part is wider than m / (k - 1).
       batch, (m, n) = x.shape[:-2], x.shape[-2:]
-      k = math.gcd(chunks(m), m // g)
+      k = math.gcd(chunks, m // g)
       sub, out = x.reshape(*batch, g, k, m // g // k, n), []
       swapped = lambda v: jnp.swapaxes(v, -1, -2)
       for c in range(k):

@@ -41,41 +41,46 @@ def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   return plan.flops - plan.x_flops + plan.x_flops // split
 
 
-# An m×m product of a shared matrix forms the whole right factor this many column
-# blocks at a time (`FactorMesh.row_blocks`): one block is live, never the whole m×m.
+# An m×m product of a shared matrix may form the whole right factor this many column
+# blocks at a time (`FactorMesh.row_blocks`): one block is live, never the whole m×m. A
+# unit of work does so only where the memory cap needs it (`exchange_plan.units`): each
+# block is a collective of its own.
 PRODUCT_CHUNKS = 4
 # ... where the matrix has more rows than this: below, a whole m×m (16 MB in float32)
-# is small beside any device's memory, and each block would add its own collectives.
+# is small beside any device's memory.
 CHUNKED_ABOVE_ROWS = 2048
 
 
 def product_chunks(rows: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
-  """How many blocks an m×m product of a shared matrix with `rows` rows is formed in."""
+  """The most blocks an m×m product of a shared matrix with `rows` rows is formed in."""
   return PRODUCT_CHUNKS if rows > chunked_above else 1
 
 
 def apply_blocks(rows: int, part_cols: int, split: int, operand_bytes: int = 4,
-                 x_bytes: int = 4, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
+                 x_bytes: int = 4, chunks: Optional[int] = None) -> int:
   """How many blocks of rows M X is formed in for a matrix of `rows` rows shared by
-  `split` devices, each with `part_cols` columns of X (`FactorMesh.row_blocks`): the
-  Gram sums' blocks where the whole m×m, gathered as `operand_bytes`-byte operands, is
-  larger than X's part (`x_bytes` an element), else 1. Blocks leave X, the result and
-  a block of M live, against the whole M, but add collectives and k result buffers
+  `split` devices, each with `part_cols` columns of X (`FactorMesh.row_blocks`), where
+  its m×m products are formed in `chunks` blocks (default: the most, `product_chunks`):
+  the Gram sums' blocks where the whole m×m, gathered as `operand_bytes`-byte operands,
+  is larger than X's part (`x_bytes` an element), else 1. Blocks leave X, the result
+  and a block of M live, against the whole M, but add collectives and k result buffers
   that are put together in a new array, which fragments a compiler's heap: they pay
   only where M is the larger."""
   if rows * operand_bytes <= part_cols * x_bytes:
     return 1
-  return math.gcd(product_chunks(rows, chunked_above), rows // split)
+  return math.gcd(product_chunks(rows) if chunks is None else chunks, rows // split)
 
 
-def working_set(rows: int, cols: int, split: int) -> float:
+def working_set(rows: int, cols: int, split: int, chunks: Optional[int] = None) -> float:
   """About the float32 elements one device holds live while it orthogonalizes its part
   of a rows×cols (rows ≤ cols) matrix split over `split` devices: its part and the next
   one, four m×m matrices (or their row blocks, see `rows_split`), and a block of a
-  whole m×m gathered for a product."""
+  whole m×m gathered for a product, formed in `chunks` blocks (default: the most,
+  `product_chunks`)."""
   part, square = rows * cols / split, rows * rows
   if rows_split(rows, split):
-    return 2 * part + 4 * square / split + square / product_chunks(rows)
+    chunks = product_chunks(rows) if chunks is None else chunks
+    return 2 * part + 4 * square / split + square / chunks
   return 2 * part + 4 * square
 
 
@@ -100,6 +105,23 @@ def memory_budget(shapes: list[tuple[int, int, int]], devices: int,
   if memory is None:
     return max(DEFAULT_MEMORY * shard, MEMORY_FLOOR)
   return memory * shard
+
+
+# Under the default cap, a unit forms its m×m products whole only where its work with
+# them fits this many state shards (never below `MEMORY_FLOOR`): a whole m×m saves the
+# collectives of its blocks (`exchange_plan.units`), within the memory the blocks kept.
+WHOLE_PRODUCTS_MEMORY = 1.0
+
+
+def whole_products_budget(shapes: list[tuple[int, int, int]], devices: int,
+                          memory: Optional[float]) -> Optional[float]:
+  """The float32 elements a unit of Newton–Schulz work may hold live with its m×m
+  products whole (`memory_budget`'s terms): by default `WHOLE_PRODUCTS_MEMORY` times the
+  shard and at least `MEMORY_FLOOR`; a cap asked for is that cap."""
+  if memory is not None:
+    return memory_budget(shapes, devices, memory)
+  shard = sum(math.prod(s) for s in shapes) / devices
+  return max(WHOLE_PRODUCTS_MEMORY * shard, MEMORY_FLOOR)
 
 
 # What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
@@ -132,14 +154,16 @@ def split_bytes(rows: int, split: int, ns: NewtonSchulz) -> float:
 COLLECTIVE_BYTES = 6e6
 
 
-def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
+def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
+                      chunks: Optional[int] = None) -> int:
   """How many collectives a kind of split adds to the iteration on rows×cols (rows ≤
   cols) matrices (the split matrices of one shape and split run together, so that each
   serves all of them), counted from what `newton_schulz_column_parts` runs with
   `FactorMesh.row_blocks`: the norm (its peak and, without AOL, its sum of squares); a
   Gram sum reduce-scattered per block of rows; a whole m×m gathered per block of its
   columns for each m×m product, per block of rows for M X (`apply_blocks`); the
-  Gram-space iteration's transposes. Without `rows_split`, each part holds the m×m
+  Gram-space iteration's transposes; the m×m products formed in `chunks` blocks
+  (default: the most, `product_chunks`). Without `rows_split`, each part holds the m×m
   whole: one all-reduce per Gram sum."""
   if split == 1:
     return 0
@@ -149,9 +173,9 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int
   grams = plan.steps if plan.variant == "standard" else len(plan.segments)
   if not rows_split(rows, split):
     return norm + grams
-  chunks = product_chunks(rows)
+  chunks = product_chunks(rows) if chunks is None else chunks
   gram, product = math.gcd(chunks, rows // split), math.gcd(chunks, rows)
-  apply = apply_blocks(rows, cols // split, split, ns.dtype().itemsize)
+  apply = apply_blocks(rows, cols // split, split, ns.dtype().itemsize, chunks=chunks)
   count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
   if plan.variant == "standard":
     return count + plan.steps * (product + apply)

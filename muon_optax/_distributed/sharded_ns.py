@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from muon_optax._distributed.block_parts import block_rows, blocks_in, blocks_out
 from muon_optax._distributed.exchange_plan import (
   ExchangePlan,
+  Unit,
   chunks,
   out_slice,
   piece,
@@ -61,6 +62,7 @@ from muon_optax._distributed.plan import (
   memory_budget,
   plan_rounds,
   rows_split,
+  whole_products_budget,
 )
 from muon_optax._distributed.stack_layout import Layout, layout_of, owned
 from muon_optax._distributed.static_rows import take_rows
@@ -80,8 +82,8 @@ class _Exchange:
   send back. Built once from the static plan; `run` does one exchange of some rounds."""
 
   def __init__(self, ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout],
-               outs: list[Layout], gather: bool, budget: Optional[float] = None):
-    self.ns_fn, self.split_ns, self.fmesh, self.budget = ns_fn, split_ns, fmesh, budget
+               outs: list[Layout], gather: bool, units_of: Callable[[list[Round]], list[Unit]]):
+    self.ns_fn, self.split_ns, self.fmesh, self.units_of = ns_fn, split_ns, fmesh, units_of
     self.shapes, self.dtypes, self.ins, self.outs, self.gather = shapes, dtypes, ins, outs, gather
     mesh = fmesh.mesh
     self.axes, self.n, self.sizes = tuple(mesh.axis_names), mesh.size, dict(mesh.shape)
@@ -176,11 +178,12 @@ class _Exchange:
     """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
     unit after another (`exchange_plan.units`): the next unit's assembly waits for what
     the last one kept (`after`), so that its matrices and Newton–Schulz temporaries are
-    not live at the same time as theirs. The other rounds of a slot are assembled with
-    its first, before its Newton–Schulz, so that the buffer they arrived in is not kept
-    live for them. Returns what `keep` returned, by round."""
+    not live at the same time as theirs; a unit's m×m products are formed in as many
+    blocks as it says. The other rounds of a slot are assembled with its first, before
+    its Newton–Schulz, so that the buffer they arrived in is not kept live for them.
+    Returns what `keep` returned, by round."""
     kept, last, early = {}, None, {}
-    for unit in units(plan.rounds, self.budget):
+    for unit, product_blocks in self.units_of(plan.rounds):
       batch = jnp.stack([early.pop(t) if t in early else self.matrix(t, recv, by_block, plan)
                          for t in unit])
       mates = {u for t in unit for u in plan.slots[plan.slot[t]]} - set(unit) - set(kept)
@@ -190,7 +193,7 @@ class _Exchange:
       # them late and keeps the buffer they arrived in live all along.
       batch = after(batch, ([] if last is None else [last]) + [early[u] for u in sorted(mates)])
       g = plan.rounds[unit[0]].split
-      batch = self.ns_fn(batch) if g == 1 else self.split_ns(batch, g)
+      batch = self.ns_fn(batch) if g == 1 else self.split_ns(batch, g, product_blocks)
       kept.update((t, keep(t, batch[k])) for k, t in enumerate(unit))
       last = kept[unit[0]]
     return [kept[t] for t in range(len(plan.rounds))]
@@ -306,7 +309,9 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
   budget = memory_budget(shapes, n, memory)
   rounds = plan_rounds(shapes, n, cost, split_ok, fmesh.groups(), [lay.grid[1] for lay in ins],
                        flops_per_byte, budget)
-  exchange = _Exchange(ns_fn, split_ns, fmesh, shapes, dtypes, ins, outs, gather, budget)
+  whole = whole_products_budget(shapes, n, memory)
+  exchange = _Exchange(ns_fn, split_ns, fmesh, shapes, dtypes, ins, outs, gather,
+                       lambda rounds: units(rounds, budget, whole, cost))
   parts = chunks(rounds, chunks_of)
 
   def lower(stacks):
@@ -343,8 +348,8 @@ def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
           if gather else
           [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
            for spec, shape in zip(out_specs, shapes)])
-  def split_ns(x, g):
-    rows = fmesh.row_blocks(g) if rows_split(x.shape[-2], g) else None
+  def split_ns(x, g, chunks):
+    rows = fmesh.row_blocks(g, chunks) if rows_split(x.shape[-2], g) else None
     return split_fn(x, g, lambda v, op: fmesh.group_reduce(v, op, g), rows=rows)
   lower = _exchange(ns_fn, None if split_fn is None else split_ns, fmesh, shapes,
                     [s.dtype for s in stacks], ins, outs, gather, cost, layout.exchanges,
