@@ -102,7 +102,7 @@ class FactorMesh(NamedTuple):
       # and a second product with the same B gathers its own instead of keeping these.
       k = math.gcd(chunks, b.shape[-1])
       b = mm.operand(b)  # gathered as the product reads it
-      if k == 1:  # a small B, gathered whole: products with the same B share it
+      if k == 1:  # B gathered whole: products with the same B share it
         return mm(a, gather(b))
       w, out = b.shape[-1] // k, []
       for c in range(k):
