@@ -12,7 +12,6 @@ from muon_optax._distributed.plan import (
   MEMORY_FLOOR,
   PRODUCT_CHUNKS,
   SPLIT_TOLERANCE,
-  WHOLE_PRODUCTS_MEMORY,
   Round,
   apply_blocks,
   matmul_passes,
@@ -24,7 +23,6 @@ from muon_optax._distributed.plan import (
   rows_split,
   split_collectives,
   split_flops,
-  whole_products_budget,
   working_set,
 )
 from muon_optax._newton_schulz.plan import newton_schulz_flops
@@ -184,17 +182,6 @@ def test_a_memory_budget_splits_every_matrix_until_its_work_fits():
     assert all(r.split == 1 for r in rounds if r.rows == 16)  # these fit whole
   # A budget no split can meet: the largest split there is.
   assert {r.split for r in plan_rounds(shapes, 8, budget=1) if r.rows == 64} == {8}
-
-
-def test_whole_products_get_one_shard_by_default_and_the_cap_asked_for_otherwise():
-  big, small = [(96, 4096, 14336)], [(4, 64, 256)]
-  shard = 96 * 4096 * 14336 / 256
-  assert whole_products_budget(big, 256, None) == WHOLE_PRODUCTS_MEMORY * shard
-  assert whole_products_budget(big, 256, None) < memory_budget(big, 256, None)
-  assert whole_products_budget(big, 256, 0.5) == memory_budget(big, 256, 0.5)
-  assert whole_products_budget(big, 256, math.inf) is None
-  assert whole_products_budget(big, 4096, None) == MEMORY_FLOOR  # a small shard: the floor
-  assert whole_products_budget(small, 8, None) == MEMORY_FLOOR
 
 
 def test_the_default_memory_budget_is_twice_the_shard_and_never_below_the_floor():

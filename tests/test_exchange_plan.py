@@ -13,7 +13,13 @@ from muon_optax._distributed.exchange_plan import (
   unit_size,
   units,
 )
-from muon_optax._distributed.plan import PRODUCT_CHUNKS, Round, split_collectives, working_set
+from muon_optax._distributed.plan import (
+  PRODUCT_CHUNKS,
+  WHOLE_PRODUCTS_SHARE,
+  Round,
+  split_collectives,
+  working_set,
+)
 from muon_optax._distributed.stack_layout import Layout
 from muon_optax._newton_schulz.settings import DEFAULT_NS as NS
 
@@ -118,13 +124,13 @@ def test_split_rounds_of_a_kind_run_together_as_many_as_fit_the_budget():
   split = [partial(16, 64, 1, 0, 4, split=2)] * 3
   other = [partial(16, 64, 1, 0, 2, split=4)]
   rounds = [whole[0], split[0], other[0], split[1], whole[1], split[2]]
-  order = lambda budget: [unit.rounds for unit in units(rounds, budget, budget)]
+  order = lambda budget: [unit.rounds for unit in units(rounds, budget)]
   assert order(None) == [[0], [1, 3, 5], [2], [4]]
   two = 2 * working_set(16, 64, 2)
   assert order(two) == [[0], [1, 3], [2], [4], [5]]
   assert order(two - 1) == [[0], [1], [2], [3], [4], [5]]
   # 16 rows: never formed in blocks (`product_chunks`), whatever the budget.
-  assert {unit.chunks for unit in units(rounds, two - 1, two - 1)} == {1}
+  assert {unit.chunks for unit in units(rounds, two - 1)} == {1}
 
 
 # Llama-3-8B's gate/up/down shape, wide, split over 32 devices: with its m×m products
@@ -135,29 +141,28 @@ BIG = (4096, 14336, 32)
 def test_a_unit_forms_its_products_whole_where_that_fits_and_launches_fewer_collectives():
   blocked, whole = working_set(*BIG), working_set(*BIG, chunks=1)
   assert whole > blocked
-  assert split_collectives(*BIG, NS, chunks=1) < split_collectives(*BIG, NS)
-  # No cap: every round in one unit, products whole.
-  assert unit_size(*BIG, 3, None, None, NS) == (3, 1)
-  # A unit holds one round with whole products or two in blocks: three whole units run
-  # fewer collectives than two in blocks.
-  assert unit_size(*BIG, 3, whole, whole, NS) == (1, 1)
-  # Whole products fit the work's cap but not the (smaller) one on whole products.
-  assert unit_size(*BIG, 3, whole, blocked, NS) == (2, PRODUCT_CHUNKS)
-  # Four rounds fit together in blocks, one whole: one unit's collectives in blocks
-  # against four whole ones', fewer.
   per = lambda chunks: split_collectives(*BIG, NS, chunks=chunks)
-  assert per(PRODUCT_CHUNKS) < 4 * per(1)
-  assert unit_size(*BIG, 4, 4 * blocked, whole, NS) == (4, PRODUCT_CHUNKS)
-  # One round: whole products, whichever fits it.
-  assert unit_size(*BIG, 1, 4 * blocked, whole, NS) == (1, 1)
+  assert per(1) < per(PRODUCT_CHUNKS) < 4 * per(1)
+  # No cap: every round in one unit, products whole.
+  assert unit_size(*BIG, 3, None, NS) == (3, 1)
+  # A cap whose share for whole products holds one round, and four rounds in blocks:
+  # three rounds run fewer collectives whole, one unit each, than in blocks in one
+  # unit; four run fewer in blocks.
+  cap = whole / WHOLE_PRODUCTS_SHARE
+  assert cap // blocked >= 4
+  assert unit_size(*BIG, 3, cap, NS) == (1, 1)
+  assert unit_size(*BIG, 4, cap, NS) == (4, PRODUCT_CHUNKS)
+  assert unit_size(*BIG, 1, cap, NS) == (1, 1)
+  # Whole products fit the cap, but not its share for them: blocks.
+  assert whole // blocked == 2 and unit_size(*BIG, 3, whole, NS) == (2, PRODUCT_CHUNKS)
   # Nothing fits: one round a unit, in the most blocks, as small as it gets.
-  assert unit_size(*BIG, 3, 1.0, 1.0, NS) == (1, PRODUCT_CHUNKS)
+  assert unit_size(*BIG, 3, 1.0, NS) == (1, PRODUCT_CHUNKS)
 
 
 def test_units_carry_their_kind_s_blocks_and_whole_rounds_none():
   rounds = [Round(*BIG[:2], (None,) * DEVICES), Round(*BIG[:2], (None,) * DEVICES, BIG[2]),
             Round(*BIG[:2], (None,) * DEVICES, BIG[2])]
   blocked = working_set(*BIG)
-  got = units(rounds, blocked, blocked, NS)
+  got = units(rounds, blocked, NS)
   assert got == [Unit([0], 1), Unit([1], PRODUCT_CHUNKS), Unit([2], PRODUCT_CHUNKS)]
-  assert units(rounds, None, None, NS) == [Unit([0], 1), Unit([1, 2], 1)]
+  assert units(rounds, None, NS) == [Unit([0], 1), Unit([1, 2], 1)]

@@ -15,7 +15,13 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from muon_optax._distributed.plan import Round, product_chunks, split_collectives, working_set
+from muon_optax._distributed.plan import (
+  WHOLE_PRODUCTS_SHARE,
+  Round,
+  product_chunks,
+  split_collectives,
+  working_set,
+)
 from muon_optax._distributed.stack_layout import Layout, by_blocks
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
@@ -61,15 +67,16 @@ class Unit(NamedTuple):
 
 
 def unit_size(rows: int, cols: int, split: int, count: int, budget: Optional[float],
-              whole_budget: Optional[float], ns: NewtonSchulz) -> tuple[int, int]:
+              ns: NewtonSchulz) -> tuple[int, int]:
   """(rounds a unit holds, blocks its products are formed in) for `count` split rounds
   of one kind: the fewest collectives a step launches for all of them
   (`split_collectives` per unit), each unit's `working_set` within `budget` (float32
-  elements; None: no cap), and within `whole_budget` with its products whole (where
-  they can be formed in blocks at all, `product_chunks`); ties to the blocks. Where
-  nothing fits: one round a unit, in the most blocks."""
+  elements; None: no cap), and within `WHOLE_PRODUCTS_SHARE` of it with its products
+  whole (where they can be formed in blocks at all, `product_chunks`); ties to the
+  blocks. Where nothing fits: one round a unit, in the most blocks."""
   most, options = product_chunks(rows), []
-  for chunks, cap in [(most, budget)] + [(1, whole_budget)] * (most > 1):
+  whole = None if budget is None else WHOLE_PRODUCTS_SHARE * budget
+  for chunks, cap in [(most, budget)] + [(1, whole)] * (most > 1):
     size = count if cap is None else min(count, int(cap // working_set(rows, cols, split,
                                                                        chunks)))
     if size:
@@ -81,16 +88,16 @@ def unit_size(rows: int, cols: int, split: int, count: int, budget: Optional[flo
   return size, -chunks
 
 
-def units(rounds: list[Round], budget: Optional[float], whole_budget: Optional[float],
-          ns: NewtonSchulz = DEFAULT_NS) -> list[Unit]:
+def units(rounds: list[Round], budget: Optional[float], ns: NewtonSchulz = DEFAULT_NS
+          ) -> list[Unit]:
   """The rounds in the order their local work runs: a round of whole matrices alone (it
   has no collective inside, and one matrix's Newton–Schulz temporaries are live at a
   time); the split rounds of one (shape, split) together, as many as fit `budget`
   (float32 elements; None: all), so that each of their collectives (the Gram sums, the
-  row-block gathers) serves all of them, with their products whole where that fits
-  `whole_budget` and launches fewer collectives (`unit_size`)."""
+  row-block gathers) serves all of them, with their products whole where that fits and
+  launches fewer collectives (`unit_size`)."""
   count = Counter((r.rows, r.cols, r.split) for r in rounds if r.split > 1)
-  sizes = {kind: unit_size(*kind, n, budget, whole_budget, ns) for kind, n in count.items()}
+  sizes = {kind: unit_size(*kind, n, budget, ns) for kind, n in count.items()}
   units, open_units = [], {}  # open_units: the last unit of each kind of split round
   for t, r in enumerate(rounds):
     kind = (r.rows, r.cols, r.split)

@@ -45,10 +45,10 @@ class MeshLayout:
       or the split rounds run together) at this multiple of the Muon state shard (the
       Muon leaves' bytes over the devices): a matrix whose work would take more is
       split over more devices, at m×m traffic and collectives that grow with the
-      split; a split matrix forms its m×m products whole where they fit, else a few
-      blocks at a time, a collective each. Default (None): 2, and never below 32 MB,
-      so that a small model's matrices stay whole, with whole products only within
-      one shard; `math.inf`: no cap.
+      split; a split matrix forms its m×m products whole where its work with them
+      fits half the cap, else a few blocks at a time, a collective each. Default
+      (None): 2, and never below 32 MB, so that a small model's matrices stay whole;
+      `math.inf`: no cap.
 
   Examples:
     >>> import jax, muon_optax as mo

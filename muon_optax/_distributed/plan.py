@@ -107,21 +107,12 @@ def memory_budget(shapes: list[tuple[int, int, int]], devices: int,
   return memory * shard
 
 
-# Under the default cap, a unit forms its m×m products whole only where its work with
-# them fits this many state shards (never below `MEMORY_FLOOR`): a whole m×m saves the
-# collectives of its blocks (`exchange_plan.units`), within the memory the blocks kept.
-WHOLE_PRODUCTS_MEMORY = 1.0
-
-
-def whole_products_budget(shapes: list[tuple[int, int, int]], devices: int,
-                          memory: Optional[float]) -> Optional[float]:
-  """The float32 elements a unit of Newton–Schulz work may hold live with its m×m
-  products whole (`memory_budget`'s terms): by default `WHOLE_PRODUCTS_MEMORY` times the
-  shard and at least `MEMORY_FLOOR`; a cap asked for is that cap."""
-  if memory is not None:
-    return memory_budget(shapes, devices, memory)
-  shard = sum(math.prod(s) for s in shapes) / devices
-  return max(WHOLE_PRODUCTS_MEMORY * shard, MEMORY_FLOOR)
+# A unit of split work forms its m×m products whole only where its work with them fits
+# this share of the memory cap (by default one state shard), else in blocks
+# (`exchange_plan.units`): a whole m×m saves its blocks' collectives, and within this
+# share a step's temporary memory stays where the blocks kept it
+# (benchmarks/results/scale.jsonl).
+WHOLE_PRODUCTS_SHARE = 0.5
 
 
 # What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul

@@ -62,7 +62,6 @@ from muon_optax._distributed.plan import (
   memory_budget,
   plan_rounds,
   rows_split,
-  whole_products_budget,
 )
 from muon_optax._distributed.stack_layout import Layout, layout_of, owned
 from muon_optax._distributed.static_rows import take_rows
@@ -309,9 +308,8 @@ def _exchange(ns_fn, split_ns, fmesh: FactorMesh, shapes, dtypes, ins: list[Layo
   budget = memory_budget(shapes, n, memory)
   rounds = plan_rounds(shapes, n, cost, split_ok, fmesh.groups(), [lay.grid[1] for lay in ins],
                        flops_per_byte, budget)
-  whole = whole_products_budget(shapes, n, memory)
   exchange = _Exchange(ns_fn, split_ns, fmesh, shapes, dtypes, ins, outs, gather,
-                       lambda rounds: units(rounds, budget, whole, cost))
+                       lambda rounds: units(rounds, budget, cost))
   parts = chunks(rounds, chunks_of)
 
   def lower(stacks):
