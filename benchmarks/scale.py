@@ -320,13 +320,8 @@ def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
   against the flops it saves (`MeshLayout.flops_per_byte`), and with flops alone
   (`flops_per_byte=0`)."""
   import muon_optax as mo
-  from muon_optax._distributed.plan import (
-    FLOPS_PER_BYTE,
-    group_sizes,
-    memory_budget,
-    per_device_flops,
-    prime_factors,
-  )
+  from muon_optax._distributed.plan import group_sizes, per_device_flops, prime_factors
+  from muon_optax._distributed.split_cost import FLOPS_PER_BYTE, memory_budget
   defaults = {"cpu": mo.NewtonSchulz(),
               "gpu": mo.NewtonSchulz(compute_dtype="bfloat16", precision="default")}
   lines = [f"{'model':>5} {'defaults':>8} {'weighing':>12} " + " ".join(f"{n:>7}" for n in devices)]

@@ -16,12 +16,11 @@ from benchmarks.hlo import collective_ops, collective_stats
 from muon_optax._distributed.exchange_plan import Span, spans_of
 from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
 from muon_optax._distributed.packed_gather import with_packed_gather
-from muon_optax._distributed.plan import (
+from muon_optax._distributed.plan import per_device_flops, plan_rounds
+from muon_optax._distributed.split_cost import (
   PRODUCT_CHUNKS,
   WHOLE_PRODUCTS_SHARE,
   memory_budget,
-  per_device_flops,
-  plan_rounds,
   split_collectives,
   working_set,
 )

@@ -1,30 +1,12 @@
 """The distributed Newton–Schulz plan on its own: no mesh, no compile (the exchange that
 runs it is tested on 8 devices in test_distributed.py and for TPU in test_tpu_compile.py)."""
 
-import math
 
 import pytest
 
 import muon_optax as mo
-from muon_optax._distributed.plan import (
-  CHUNKED_ABOVE_ROWS,
-  DEFAULT_MEMORY,
-  MEMORY_FLOOR,
-  PRODUCT_CHUNKS,
-  SPLIT_TOLERANCE,
-  Round,
-  apply_blocks,
-  matmul_passes,
-  memory_budget,
-  per_device_flops,
-  placed,
-  plan_rounds,
-  product_chunks,
-  rows_split,
-  split_collectives,
-  split_flops,
-  working_set,
-)
+from muon_optax._distributed.plan import SPLIT_TOLERANCE, Round, per_device_flops, placed, plan_rounds
+from muon_optax._distributed.split_cost import memory_budget, split_collectives, working_set
 from muon_optax._newton_schulz.plan import newton_schulz_flops
 
 NS = mo.NewtonSchulz()
@@ -92,13 +74,9 @@ def test_rounds_of_different_splits_fill_the_devices():
 
 
 def test_traffic_is_weighed_in_16_bit_matmul_flops():
-  # float32 operands at HIGHEST precision run as six bfloat16 passes, at HIGH as three:
-  # a byte costs that many times fewer of their flops.
+  # float32 operands at HIGHEST precision run as six bfloat16 passes (`matmul_passes`):
+  # a byte costs six times fewer of their flops.
   f32 = mo.NewtonSchulz(compute_dtype="float32", precision="highest")
-  assert matmul_passes(f32) == 6
-  assert matmul_passes(mo.NewtonSchulz(compute_dtype="float32", precision="high")) == 3
-  assert matmul_passes(mo.NewtonSchulz(compute_dtype="bfloat16", precision="highest")) == 1
-  assert matmul_passes(mo.NewtonSchulz(compute_dtype="float32", precision="default")) == 1
   shapes = [(96, 4096, 14336), (64, 4096, 4096)]
   same_time = dict(compute_dtype="float32", precision="default")
   assert (plan_rounds(shapes, 256, f32, flops_per_byte=600)
@@ -136,14 +114,6 @@ def test_a_plan_within_tolerance_splits_nothing():
   rounds = plan_rounds(shapes, 8)
   assert all(r.split == 1 for r in rounds)
   assert per_device_flops(shapes, 8) <= SPLIT_TOLERANCE * ideal(shapes, 8)
-
-
-def test_split_work_is_an_even_share_when_rows_split_too():
-  assert rows_split(64, 4) and not rows_split(40, 16) and not rows_split(64, 1)
-  whole = newton_schulz_flops(64, 256, NS)
-  assert split_flops(64, 256, 4, NS) == whole // 4
-  # Rows that do not divide: the m×m products repeat on each device of the group.
-  assert split_flops(40, 256, 16, NS) > whole // 16
 
 
 def test_splits_respect_what_the_layout_allows():
@@ -184,16 +154,6 @@ def test_a_memory_budget_splits_every_matrix_until_its_work_fits():
   assert {r.split for r in plan_rounds(shapes, 8, budget=1) if r.rows == 64} == {8}
 
 
-def test_the_default_memory_budget_is_twice_the_shard_and_never_below_the_floor():
-  big, small = [(96, 4096, 14336)], [(4, 64, 256)]
-  shard = 96 * 4096 * 14336 / 1024
-  assert memory_budget(big, 1024, None) == DEFAULT_MEMORY * shard
-  assert memory_budget(big, 1024, 0.5) == 0.5 * shard
-  assert memory_budget(big, 1024, math.inf) is None
-  assert memory_budget(small, 8, None) == MEMORY_FLOOR  # a small model is not split for it
-  assert memory_budget(small, 8, 0.5) == 0.5 * 4 * 64 * 256 / 8  # a cap asked for is kept
-
-
 @pytest.mark.parametrize("devices", [256, 1024])
 def test_the_default_budget_splits_a_70b_s_largest_matrices_until_their_work_fits(devices):
   # 80 layers of width 8192, ffn 28672: at 1024 devices the flops alone would split the
@@ -208,27 +168,3 @@ def test_the_default_budget_splits_a_70b_s_largest_matrices_until_their_work_fit
   fits = all(working_set(r.rows, r.cols, r.split) <= budget for r in unbounded)
   assert fits == (devices == 256)
   assert (rounds == unbounded) == fits
-
-
-def test_only_large_shared_matrices_form_their_products_in_blocks():
-  # Blocks bound the m×m gathered for a product where it is large; a small one is
-  # gathered whole (fewer collectives), and the working set counts it whole.
-  big, small = CHUNKED_ABOVE_ROWS * 2, CHUNKED_ABOVE_ROWS // 2
-  assert product_chunks(big) == PRODUCT_CHUNKS and product_chunks(small) == 1
-  assert product_chunks(small, chunked_above=0) == PRODUCT_CHUNKS
-  for rows in (big, small):
-    square, part = rows * rows, rows * 4 * rows / 8
-    assert working_set(rows, 4 * rows, 8) == 2 * part + 4 * square / 8 + square / product_chunks(rows)
-
-
-def test_m_x_is_formed_in_blocks_only_where_the_gathered_m_is_larger_than_x_s_part():
-  # Llama-3-8B's gate/up at 256 devices: a 4096×3584 float32 part of X, a 4096×4096 M.
-  # Gathered as float32 operands M is the larger: in the Gram sums' 4 blocks; as bfloat16
-  # ones (the accelerators' default) it is half X's part: whole.
-  rows, part = 4096, 3584
-  assert apply_blocks(rows, part, 4) == PRODUCT_CHUNKS
-  assert apply_blocks(rows, part, 4, operand_bytes=2) == 1
-  assert apply_blocks(rows, 2048, 4, operand_bytes=2) == 1  # equal sizes: whole
-  assert apply_blocks(rows, 2047, 4, operand_bytes=2) == PRODUCT_CHUNKS
-  assert apply_blocks(rows, 1024, 2048) == 2  # never more blocks than a part's rows allow
-  assert apply_blocks(CHUNKED_ABOVE_ROWS, 16, 4) == 1  # a small M: whole (`product_chunks`)

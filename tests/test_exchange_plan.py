@@ -13,10 +13,10 @@ from muon_optax._distributed.exchange_plan import (
   unit_size,
   units,
 )
-from muon_optax._distributed.plan import (
+from muon_optax._distributed.plan import Round
+from muon_optax._distributed.split_cost import (
   PRODUCT_CHUNKS,
   WHOLE_PRODUCTS_SHARE,
-  Round,
   split_collectives,
   working_set,
 )
@@ -159,7 +159,7 @@ def test_a_unit_forms_its_products_whole_where_that_fits_and_launches_fewer_coll
   assert unit_size(*BIG, 3, 1.0, NS) == (1, PRODUCT_CHUNKS)
 
 
-def test_units_carry_their_kind_s_blocks_and_whole_rounds_none():
+def test_units_carry_their_kind_s_blocks_and_rounds_of_whole_matrices_none():
   rounds = [Round(*BIG[:2], (None,) * DEVICES), Round(*BIG[:2], (None,) * DEVICES, BIG[2]),
             Round(*BIG[:2], (None,) * DEVICES, BIG[2])]
   blocked = working_set(*BIG)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.factor_mesh import FactorMesh
 from muon_optax._distributed.layouts import shard_mapped
-from muon_optax._distributed.plan import PRODUCT_CHUNKS
+from muon_optax._distributed.split_cost import PRODUCT_CHUNKS
 from muon_optax._newton_schulz.iteration import Matmul
 
 

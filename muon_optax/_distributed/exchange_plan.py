@@ -15,9 +15,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from muon_optax._distributed.plan import (
+from muon_optax._distributed.plan import Round
+from muon_optax._distributed.split_cost import (
   WHOLE_PRODUCTS_SHARE,
-  Round,
   product_chunks,
   split_collectives,
   working_set,

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._distributed.layouts import spec_axes
 from muon_optax._distributed.order import after
-from muon_optax._distributed.plan import apply_blocks, group_sizes, prime_factors
+from muon_optax._distributed.plan import group_sizes, prime_factors
+from muon_optax._distributed.split_cost import apply_blocks
 from muon_optax._newton_schulz.iteration import RowBlocks
 
 # The collectives of a matrix shared by a group of devices (its Gram sums and the whole

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 from jax.sharding import Mesh
 
 from muon_optax._distributed.layouts import DataAxis, data_axes, is_explicit
-from muon_optax._distributed.plan import FLOPS_PER_BYTE
+from muon_optax._distributed.split_cost import FLOPS_PER_BYTE
 
 PARAM_LAYOUTS = ("auto", "sharded", "replicated")
 EXCHANGES = 4  # measured on the TPU compiler: benchmarks/results/scale_tpu.jsonl

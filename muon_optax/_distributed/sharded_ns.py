@@ -56,13 +56,8 @@ from muon_optax._distributed.in_place import in_place
 from muon_optax._distributed.layouts import shard_mapped, spec_axes
 from muon_optax._distributed.order import after
 from muon_optax._distributed.peer_rows import from_every_peer, to_peers
-from muon_optax._distributed.plan import (
-  FLOPS_PER_BYTE,
-  Round,
-  memory_budget,
-  plan_rounds,
-  rows_split,
-)
+from muon_optax._distributed.plan import Round, plan_rounds
+from muon_optax._distributed.split_cost import FLOPS_PER_BYTE, memory_budget, rows_split
 from muon_optax._distributed.stack_layout import Layout, layout_of, owned
 from muon_optax._distributed.static_rows import take_rows
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz

@@ -1,0 +1,165 @@
+"""What a matrix split by columns over g devices costs each of them, at trace time (no
+jax): its Newton–Schulz flops (`split_flops`), the bytes (`split_bytes`) and collectives
+(`split_collectives`) its m×m matrices add, the float32 elements its work holds live
+(`working_set`), and the caps and prices the plan weighs them by (`memory_budget`,
+`FLOPS_PER_BYTE`, `COLLECTIVE_BYTES`). `plan` deals the matrices by them; the iteration
+that runs a split is `newton_schulz_column_parts` with `FactorMesh.row_blocks`."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from muon_optax._newton_schulz.plan import newton_schulz_plan
+from muon_optax._newton_schulz.settings import NewtonSchulz
+
+
+def rows_split(rows: int, split: int) -> bool:
+  """Whether the m×m products of a matrix shared by `split` devices are split by rows
+  too (its rows divide evenly), so that each device does 1/split of all the work."""
+  return split > 1 and rows % split == 0
+
+
+def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
+  """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols) matrix
+  split over `split` devices: products with X are split by columns; the rows×rows
+  products by rows when `rows_split`, else repeated on each device."""
+  plan = newton_schulz_plan((rows, cols), ns)
+  if rows_split(rows, split):
+    return plan.flops // split
+  return plan.flops - plan.x_flops + plan.x_flops // split
+
+
+# An m×m product of a shared matrix may form the whole right factor this many column
+# blocks at a time (`FactorMesh.row_blocks`): one block is live, never the whole m×m. A
+# unit of work does so only where the memory cap needs it (`exchange_plan.units`): each
+# block is a collective of its own.
+PRODUCT_CHUNKS = 4
+# ... where the matrix has more rows than this: below, a whole m×m (16 MB in float32)
+# is small beside any device's memory.
+CHUNKED_ABOVE_ROWS = 2048
+
+
+def product_chunks(rows: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
+  """The most blocks an m×m product of a shared matrix with `rows` rows is formed in."""
+  return PRODUCT_CHUNKS if rows > chunked_above else 1
+
+
+def apply_blocks(rows: int, part_cols: int, split: int, operand_bytes: int = 4,
+                 x_bytes: int = 4, chunks: Optional[int] = None) -> int:
+  """How many blocks of rows M X is formed in for a matrix of `rows` rows shared by
+  `split` devices, each with `part_cols` columns of X (`FactorMesh.row_blocks`), where
+  its m×m products are formed in `chunks` blocks (default: the most, `product_chunks`):
+  the Gram sums' blocks where the whole m×m, gathered as `operand_bytes`-byte operands,
+  is larger than X's part (`x_bytes` an element), else 1. Blocks leave X, the result
+  and a block of M live, against the whole M, but add collectives and k result buffers
+  that are put together in a new array, which fragments a compiler's heap: they pay
+  only where M is the larger."""
+  if rows * operand_bytes <= part_cols * x_bytes:
+    return 1
+  return math.gcd(product_chunks(rows) if chunks is None else chunks, rows // split)
+
+
+def working_set(rows: int, cols: int, split: int, chunks: Optional[int] = None) -> float:
+  """About the float32 elements one device holds live while it orthogonalizes its part
+  of a rows×cols (rows ≤ cols) matrix split over `split` devices: its part and the next
+  one, four m×m matrices (or their row blocks, see `rows_split`), and a block of a
+  whole m×m gathered for a product, formed in `chunks` blocks (default: the most,
+  `product_chunks`)."""
+  part, square = rows * cols / split, rows * rows
+  if rows_split(rows, split):
+    chunks = product_chunks(rows) if chunks is None else chunks
+    return 2 * part + 4 * square / split + square / chunks
+  return 2 * part + 4 * square
+
+
+# The default cap on one unit of Newton–Schulz work (`working_set`), as a multiple of
+# the Muon state shard: finer splits where a matrix's work alone would take more, at
+# m×m traffic that grows with the split (benchmarks/results/scale.jsonl).
+DEFAULT_MEMORY = 2.0
+# ... never below this many float32 elements (32 MB): a small model's matrices, each
+# larger than its shard on many devices, are not split for a few megabytes.
+MEMORY_FLOOR = 2**23
+
+
+def memory_budget(shapes: list[tuple[int, int, int]], devices: int,
+                  memory: Optional[float]) -> Optional[float]:
+  """The float32 elements one unit of Newton–Schulz work may hold live on a device, for
+  stacks of shapes (count, rows, cols) over `devices`: `memory` times their shard, or by
+  default (None) `DEFAULT_MEMORY` times it and at least `MEMORY_FLOOR`; None (no cap)
+  for an infinite `memory`."""
+  if memory is not None and math.isinf(memory):
+    return None
+  shard = sum(math.prod(s) for s in shapes) / devices
+  if memory is None:
+    return max(DEFAULT_MEMORY * shard, MEMORY_FLOOR)
+  return memory * shard
+
+
+# A unit of split work forms its m×m products whole only where its work with them fits
+# this share of the memory cap (by default one state shard), else in blocks
+# (`exchange_plan.units`): a whole m×m saves its blocks' collectives, and within this
+# share a step's temporary memory stays where the blocks kept it
+# (benchmarks/results/scale.jsonl).
+WHOLE_PRODUCTS_SHARE = 0.5
+
+
+# What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
+# rate over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s
+# of ICI).
+FLOPS_PER_BYTE = 750
+
+
+def matmul_passes(ns: NewtonSchulz) -> int:
+  """What one of `ns`'s matmul flops costs in 16-bit ones, the unit of `FLOPS_PER_BYTE`:
+  float32 operands at HIGHEST precision run as six bfloat16 passes on a TPU (a GPU's
+  full float32 is slower still), at HIGH as three; anything else as one."""
+  if ns.dtype().itemsize < 4:
+    return 1
+  return {"HIGHEST": 6, "HIGH": 3}.get(ns.matmul_precision().name, 1)
+
+
+def split_bytes(rows: int, split: int, ns: NewtonSchulz) -> float:
+  """Bytes one device of a group of `split` receives to share a matrix of `rows` rows:
+  per step, about three m×m transfers, each (g − 1)/g of the m×m matrix: the Gram sum
+  reduce-scattered into row blocks, in float32, and two whole m×m matrices gathered
+  from them as the products read them (`ns.dtype()`: 16-bit operands halve them)."""
+  per_element = 4 + 2 * ns.dtype().itemsize
+  return ns.num_steps() * (split - 1) / split * rows * rows * per_element if split > 1 else 0.0
+
+
+# A collective's fixed cost, whatever it carries (about 10 µs to start and synchronize),
+# as the bytes an interconnect moves meanwhile (TPU v5p ICI: 600 GB/s): `flops_per_byte`
+# prices it in flops like any byte.
+COLLECTIVE_BYTES = 6e6
+
+
+def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
+                      chunks: Optional[int] = None) -> int:
+  """How many collectives a kind of split adds to the iteration on rows×cols (rows ≤
+  cols) matrices (the split matrices of one shape and split run together, so that each
+  serves all of them), counted from what `newton_schulz_column_parts` runs with
+  `FactorMesh.row_blocks`: the norm (its peak and, without AOL, its sum of squares); a
+  Gram sum reduce-scattered per block of rows; a whole m×m gathered per block of its
+  columns for each m×m product, per block of rows for M X (`apply_blocks`); the
+  Gram-space iteration's transposes; the m×m products formed in `chunks` blocks
+  (default: the most, `product_chunks`). Without `rows_split`, each part holds the m×m
+  whole: one all-reduce per Gram sum."""
+  if split == 1:
+    return 0
+  plan = newton_schulz_plan((rows, cols), ns)
+  aol = plan.precondition == "aol"
+  norm = 1 if aol else 2  # its peak; without AOL, then its sum of squares
+  grams = plan.steps if plan.variant == "standard" else len(plan.segments)
+  if not rows_split(rows, split):
+    return norm + grams
+  chunks = product_chunks(rows) if chunks is None else chunks
+  gram, product = math.gcd(chunks, rows // split), math.gcd(chunks, rows)
+  apply = apply_blocks(rows, cols // split, split, ns.dtype().itemsize, chunks=chunks)
+  count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
+  if plan.variant == "standard":
+    return count + plan.steps * (product + apply)
+  for start, stop in plan.segments:  # each step forms P; all but one also Rᵀ, Q, next R
+    steps = stop - start
+    count += apply * (start > 0) + steps * product + (steps - 1) * (1 + 3 * product)
+  return count + apply
