@@ -341,8 +341,8 @@ def _exchanged(ns_fn, split_fn, layout, cost, stacks, specs, out_specs):
           if gather else
           [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
            for spec, shape in zip(out_specs, shapes)])
-  def split_ns(x, g, chunks):
-    rows = fmesh.row_blocks(g, chunks) if rows_split(x.shape[-2], g) else None
+  def split_ns(x, g, product_blocks):
+    rows = fmesh.row_blocks(g, product_blocks) if rows_split(x.shape[-2], g) else None
     return split_fn(x, g, lambda v, op: fmesh.group_reduce(v, op, g), rows=rows)
   lower = _exchange(ns_fn, None if split_fn is None else split_ns, fmesh, shapes,
                     [s.dtype for s in stacks], ins, outs, gather, cost, layout.exchanges,
