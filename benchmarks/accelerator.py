@@ -53,7 +53,7 @@ from benchmarks.common import (
   time_interleaved,
   time_steps,
 )
-from muon_optax._newton_schulz.plan import newton_schulz_flops, newton_schulz_plan
+from muon_optax._newton_schulz.variant import newton_schulz_flops, newton_schulz_plan
 
 FULL_SHAPES = "768x768,768x2304,768x3072,3072x768,12x768x768"
 QUICK_SHAPES = "192x192,192x576,192x768,768x192,12x192x192"

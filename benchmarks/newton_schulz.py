@@ -42,7 +42,7 @@ from benchmarks.common import (
   parse_shapes,
   time_interleaved,
 )
-from muon_optax._newton_schulz.plan import newton_schulz_flops
+from muon_optax._newton_schulz.variant import newton_schulz_flops
 
 STEPS = 5  # of jordan, polar_express and optax's iteration; turbo runs its own 4
 

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 import muon_optax as mo
-import muon_optax._newton_schulz.plan as ns_plan
+import muon_optax._newton_schulz.variant as ns_plan
 from benchmarks.common import (
   LoadWatch,
   header,

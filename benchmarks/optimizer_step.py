@@ -57,7 +57,7 @@ from benchmarks.common import (
   time_steps,
   tree_bytes,
 )
-from muon_optax._newton_schulz.plan import newton_schulz_flops
+from muon_optax._newton_schulz.variant import newton_schulz_flops
 
 REFERENCE = "optax.contrib.muon"
 

@@ -199,7 +199,7 @@ def measure(model: str, layout: str, arm: str, devices, platform: str,
   # sums, whole m×m matrices gathered from row blocks). The exchange: every other
   # all-to-all (in, out, and among the devices of a residue for block-wise parts) and the
   # all-gathers over the whole mesh (ZeRO-1's results).
-  from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
+  from muon_optax._sharded_ns.factor_mesh import SHARED_MATRIX_SCOPE
   ops = collective_ops(compiled.as_text())
   shared = lambda name: f"/{SHARED_MATRIX_SCOPE}/" in name
   exchange = sum(b for op, g, b, name in ops if not shared(name)
@@ -320,8 +320,8 @@ def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
   against the flops it saves (`MeshLayout.flops_per_byte`), and with flops alone
   (`flops_per_byte=0`)."""
   import muon_optax as mo
-  from muon_optax._distributed.plan import group_sizes, per_device_flops, prime_factors
-  from muon_optax._distributed.split_cost import FLOPS_PER_BYTE, memory_budget
+  from muon_optax._sharded_ns.rounds import group_sizes, per_device_flops, prime_factors
+  from muon_optax._sharded_ns.split_cost import FLOPS_PER_BYTE, memory_budget
   defaults = {"cpu": mo.NewtonSchulz(),
               "gpu": mo.NewtonSchulz(compute_dtype="bfloat16", precision="default")}
   lines = [f"{'model':>5} {'defaults':>8} {'weighing':>12} " + " ".join(f"{n:>7}" for n in devices)]

@@ -6,14 +6,14 @@ from muon_optax._adamw.convert import convert_adam_state
 from muon_optax._adamw.offload import offload_state
 from muon_optax._alias import adamuon, dion2, muon, muonbp, muonh, nordion2, normuon, scale_by_muon
 from muon_optax._block_periodic import BlockPeriodic, BlockPeriodicState, orthogonalize_blocks
-from muon_optax._distributed.layouts import fsdp_shardings, state_shardings
-from muon_optax._distributed.mesh_layout import MeshLayout
 from muon_optax._hyperball import HyperballState, hyperball
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz.iteration import newton_schulz
-from muon_optax._newton_schulz.plan import newton_schulz_plan
 from muon_optax._newton_schulz.settings import PRESETS, NewtonSchulz
+from muon_optax._newton_schulz.variant import newton_schulz_plan
 from muon_optax._orthogonalize import orthogonalize
+from muon_optax._placement.mesh_layout import MeshLayout
+from muon_optax._placement.shardings import fsdp_shardings, state_shardings
 from muon_optax._qk_clip import qk_clip
 from muon_optax._routing.describe import describe, newton_schulz_cost
 from muon_optax._routing.matrix_view import MatrixView, default_view

@@ -17,12 +17,12 @@ from muon_optax import _routing
 from muon_optax._adamw import offload
 from muon_optax._adamw.backends import AuxAdam
 from muon_optax._block_periodic import DEFAULT_BLOCKS, BlockPeriodic, orthogonalize_blocks
-from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
-from muon_optax._distributed.packed_gather import with_packed_gather
 from muon_optax._hyperball import hyperball
 from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import orthogonalize
+from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._placement.packed_gather import with_packed_gather
 from muon_optax._row_selection import RowSelection, select_rows
 from muon_optax._scaling import SCALES, scale_by_dual_norm, scale_by_shape
 from muon_optax._second_moment import SecondMoment

@@ -13,17 +13,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from muon_optax._distributed.layouts import (
+from muon_optax._newton_schulz.iteration import newton_schulz
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._orthogonalize import _from_wide, _to_wide, grouped_solver, orthogonalize
+from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._placement.shardings import (
   data_spec,
   divided_axis,
   explicit_spec,
   reshard_to,
   shard_mapped,
 )
-from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
-from muon_optax._newton_schulz.iteration import newton_schulz
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
-from muon_optax._orthogonalize import _from_wide, _to_wide, grouped_solver, orthogonalize
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
 from muon_optax._routing.value import as_routing
 from muon_optax._util import paths

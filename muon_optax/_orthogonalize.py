@@ -12,15 +12,15 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.layouts import data_spec, explicit_spec, stack_spec
-from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
-from muon_optax._distributed.order import after
-from muon_optax._distributed.sharded_ns import sharded_solver
 from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
+from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._placement.shardings import data_spec, explicit_spec, stack_spec
 from muon_optax._routing.matrix_view import MatrixView, ViewFn, matrix_view_of
 from muon_optax._routing.value import as_routing
+from muon_optax._sharded_ns import sharded_solver
 from muon_optax._util import paths
+from muon_optax._util.order import after
 
 
 class _Wide(NamedTuple):
@@ -167,7 +167,7 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
     mesh: the matrices are dealt over all its devices, balanced by flops, in one
       packed exchange there and one back; each is orthogonalized whole on one device,
       or (built-in iteration only) split by columns over idle devices when there are
-      fewer matrices than devices (see `muon_optax._distributed.sharded_ns`); results equal the
+      fewer matrices than devices (see `muon_optax._sharded_ns.solver`); results equal the
       single-device ones.
 
   Returns:

@@ -16,7 +16,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
-from muon_optax._distributed.layouts import (
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
+from muon_optax._orthogonalize import _Wide, solver_for
+from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._placement.shardings import (
   data_spec,
   divided_axis,
   explicit_spec,
@@ -24,9 +27,6 @@ from muon_optax._distributed.layouts import (
   spec_axes,
   stack_spec,
 )
-from muon_optax._distributed.mesh_layout import MeshLayout, as_mesh_layout
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
-from muon_optax._orthogonalize import _Wide, solver_for
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
 from muon_optax._routing.value import as_routing
 from muon_optax._util import paths, validate

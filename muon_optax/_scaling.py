@@ -9,7 +9,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import optax
 
-from muon_optax._distributed.layouts import explicit_spec, reshard_to
+from muon_optax._placement.shardings import explicit_spec, reshard_to
 from muon_optax._routing.matrix_view import matrix_view_of
 from muon_optax._routing.value import as_routing
 from muon_optax._util import paths

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from muon_optax._distributed.layouts import explicit_spec, kept_spec, reshard_to
+from muon_optax._placement.shardings import explicit_spec, kept_spec, reshard_to
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
 from muon_optax._routing.value import as_routing
 from muon_optax._util import paths, validate

@@ -13,19 +13,19 @@ from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
 from benchmarks.hlo import collective_ops, collective_stats
-from muon_optax._distributed.exchange_plan import Span, spans_of
-from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
-from muon_optax._distributed.packed_gather import with_packed_gather
-from muon_optax._distributed.plan import per_device_flops, plan_rounds
-from muon_optax._distributed.split_cost import (
+from muon_optax._newton_schulz.variant import newton_schulz_flops
+from muon_optax._placement.packed_gather import with_packed_gather
+from muon_optax._sharded_ns.exchange_schedule import Span, spans_of
+from muon_optax._sharded_ns.factor_mesh import SHARED_MATRIX_SCOPE
+from muon_optax._sharded_ns.rounds import per_device_flops, plan_rounds
+from muon_optax._sharded_ns.split_cost import (
   PRODUCT_CHUNKS,
   WHOLE_PRODUCTS_SHARE,
   memory_budget,
   split_collectives,
   working_set,
 )
-from muon_optax._distributed.stack_layout import layout_of
-from muon_optax._newton_schulz.plan import newton_schulz_flops
+from muon_optax._sharded_ns.stack_shards import layout_of
 
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
 

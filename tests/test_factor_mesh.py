@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.factor_mesh import FactorMesh
-from muon_optax._distributed.layouts import shard_mapped
-from muon_optax._distributed.split_cost import PRODUCT_CHUNKS
 from muon_optax._newton_schulz.iteration import Matmul
+from muon_optax._placement.shardings import shard_mapped
+from muon_optax._sharded_ns.factor_mesh import FactorMesh
+from muon_optax._sharded_ns.split_cost import PRODUCT_CHUNKS
 
 
 @pytest.mark.parametrize("shape, axes, groups", [

@@ -9,7 +9,7 @@ import pytest
 from _helpers import compiled_flops, float32_bound, polar, rel, singular_values
 
 import muon_optax as mo
-from muon_optax._newton_schulz.plan import (
+from muon_optax._newton_schulz.variant import (
   GRAM_SEGMENT_STEPS,
 )
 

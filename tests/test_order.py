@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from muon_optax._distributed.order import after
+from muon_optax._util.order import after
 
 
 @pytest.mark.parametrize("done", [1.0, np.nan, np.inf, -0.0])

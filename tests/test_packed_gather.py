@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
 from benchmarks.hlo import collective_stats
-from muon_optax._distributed.packed_gather import gather_together, with_packed_gather
+from muon_optax._placement.packed_gather import gather_together, with_packed_gather
 
 
 def mesh_of(shape, names, types=AxisType.Auto):

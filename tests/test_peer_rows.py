@@ -7,7 +7,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.peer_rows import from_every_peer, to_peers
+from muon_optax._placement.peer_rows import from_every_peer, to_peers
 
 N, WIDTH = 8, 5
 

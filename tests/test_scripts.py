@@ -224,7 +224,7 @@ def test_scale_compiles_each_arm_once_and_resumes(tmp_path):
   # Packed, not one per matrix (28 for these 14): per exchange, the default
   # MeshLayout.exchanges of them, one all-to-all in and one out, and as many again among
   # the devices of a residue for column parts cut from whole blocks (a split leftover).
-  from muon_optax._distributed.mesh_layout import EXCHANGES
+  from muon_optax._placement.mesh_layout import EXCHANGES
   assert 2 <= ours["collectives"]["all-to-all"][0] <= 4 * EXCHANGES
   assert ours["flops"] <= 1.6 * ours["ideal_flops"]  # 14 matrices of 3 shapes for 8 devices
   again = run_module("benchmarks.scale", argv, timeout=120)  # all rows on disk: none redone

@@ -4,7 +4,8 @@ checked against compiled programs in test_distributed.py)."""
 import math
 
 import muon_optax as mo
-from muon_optax._distributed.split_cost import (
+from muon_optax._newton_schulz.variant import newton_schulz_flops
+from muon_optax._sharded_ns.split_cost import (
   CHUNKED_ABOVE_ROWS,
   DEFAULT_MEMORY,
   MEMORY_FLOOR,
@@ -17,7 +18,6 @@ from muon_optax._distributed.split_cost import (
   split_flops,
   working_set,
 )
-from muon_optax._newton_schulz.plan import newton_schulz_flops
 
 NS = mo.NewtonSchulz()
 

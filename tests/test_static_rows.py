@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from muon_optax._distributed.static_rows import runs, take_rows
+from muon_optax._sharded_ns.static_rows import runs, take_rows
 
 
 def test_runs_are_the_index_list_cut_where_it_stops_counting_up():

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
 from benchmarks.hlo import collective_stats
-from muon_optax._distributed.factor_mesh import SHARED_MATRIX_SCOPE
+from muon_optax._sharded_ns.factor_mesh import SHARED_MATRIX_SCOPE
 
 # One process at a time may hold libtpu (its lockfile): the suite runs whole files to a
 # worker (`--dist loadfile`), so these tests share one.

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from muon_optax._newton_schulz.plan import newton_schulz_plan
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
+from muon_optax._newton_schulz.variant import newton_schulz_plan
 
 
 def _t(x):

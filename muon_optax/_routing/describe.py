@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from muon_optax._newton_schulz.plan import newton_schulz_plan
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._newton_schulz.variant import newton_schulz_plan
 from muon_optax._routing.name_rules import LABELS, MUON, NAME_RULES_CAVEAT
 from muon_optax._routing.value import Routing, as_routing, check_leaf
 

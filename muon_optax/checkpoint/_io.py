@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax import _routing
-from muon_optax._distributed.layouts import state_shardings
+from muon_optax._placement.shardings import state_shardings
 from muon_optax.checkpoint import _checksum, _files, _record
 
 

@@ -15,7 +15,7 @@ import optax
 
 from muon_optax import _routing
 from muon_optax._adamw.backends import STATE_TYPES
-from muon_optax._distributed.layouts import mirrored_param
+from muon_optax._placement.shardings import mirrored_param
 from muon_optax._util import paths
 from muon_optax._version import __version__
 

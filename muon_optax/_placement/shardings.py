@@ -80,7 +80,7 @@ def divided_axis(shape: tuple[int, ...], size: int,
   equals) among `free` (default all) that `size` divides; None if there is none.
   The last of equals: a square kernel (fan_in, fan_out) lies in blocks of columns, as
   every other matrix does seen wide (its longer axis), so that a column part of any
-  matrix is whole blocks (`stack_layout.by_blocks`), which travel among n/g devices,
+  matrix is whole blocks (`stack_shards.by_blocks`), which travel among n/g devices,
   not all n."""
   free = range(len(shape)) if free is None else free
   fits = [d for d in free if shape[d] % size == 0]

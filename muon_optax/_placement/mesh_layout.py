@@ -7,10 +7,13 @@ from typing import Any, Optional, Union
 
 from jax.sharding import Mesh
 
-from muon_optax._distributed.layouts import DataAxis, data_axes, is_explicit
-from muon_optax._distributed.split_cost import FLOPS_PER_BYTE
+from muon_optax._placement.shardings import DataAxis, data_axes, is_explicit
 
 PARAM_LAYOUTS = ("auto", "sharded", "replicated")
+# What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
+# rate over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s
+# of ICI).
+FLOPS_PER_BYTE = 750
 EXCHANGES = 4  # measured on the TPU compiler: benchmarks/results/scale_tpu.jsonl
 
 

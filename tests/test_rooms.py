@@ -11,7 +11,8 @@ ALLOWED = {
     "_util": set(),
     "_newton_schulz": {"_util"},
     "_adamw": {"_util"},
-    "_distributed": {"_util", "_newton_schulz"},
+    "_placement": {"_util"},
+    "_sharded_ns": {"_util", "_newton_schulz", "_placement"},
     "_routing": {"_util", "_newton_schulz"},
 }
 
@@ -46,6 +47,22 @@ def test_lower_rooms_never_import_higher_ones():
   assert not bad, "\n".join(bad)
 
 
+def test_only_the_orthogonalization_enters_the_engine_and_by_its_one_door():
+  """The sharded Newton–Schulz engine is a room of its own: outside it, only
+  `_orthogonalize` imports it, and only its entry (`muon_optax._sharded_ns`)."""
+  bad = []
+  for path in PACKAGE.rglob("*.py"):
+    rel = path.relative_to(PACKAGE)
+    if rel.parts[0] == "_sharded_ns":
+      continue
+    for module in _imports(path):
+      if _room(module) != "_sharded_ns":
+        continue
+      if str(rel) != "_orthogonalize.py" or module != "muon_optax._sharded_ns":
+        bad.append(f"{rel} imports {module}")
+  assert not bad, "\n".join(bad)
+
+
 def test_every_module_sits_in_a_known_room_or_on_top():
   top = {"__init__", "_alias", "_momentum", "_orthogonalize", "_qk_clip", "_scaling",
          "_second_moment", "_row_selection", "_block_periodic", "_weight_decay", "_hyperball",
@@ -63,8 +80,8 @@ TESTED_AS = {
     "_routing/describe": "test_routing", "checkpoint/_io": "test_checkpoint",
     "checkpoint/_checksum": "test_checkpoint_record", "checkpoint/_record": "test_checkpoint_record",
     "checkpoint/_files": "test_checkpoint_integrity", "_alias": "test_family",
-    "_distributed/sharded_ns": "test_distributed", "_distributed/block_parts": "test_distributed",
-    "_distributed/in_place": "test_distributed",
+    "_sharded_ns/solver": "test_distributed", "_sharded_ns/column_parts": "test_distributed",
+    "_sharded_ns/in_place": "test_distributed",
 }
 UNTESTED = {"_version", "_util/types"}  # a version string and type aliases: nothing runs
 

@@ -4,7 +4,7 @@ import jax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.layouts import data_spec, divided_axis, stack_spec
+from muon_optax._placement.shardings import data_spec, divided_axis, stack_spec
 
 
 def test_the_data_axes_split_the_largest_axis_they_divide_last_of_equals():

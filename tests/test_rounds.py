@@ -5,9 +5,9 @@ runs it is tested on 8 devices in test_distributed.py and for TPU in test_tpu_co
 import pytest
 
 import muon_optax as mo
-from muon_optax._distributed.plan import SPLIT_TOLERANCE, Round, per_device_flops, placed, plan_rounds
-from muon_optax._distributed.split_cost import memory_budget, split_collectives, working_set
-from muon_optax._newton_schulz.plan import newton_schulz_flops
+from muon_optax._newton_schulz.variant import newton_schulz_flops
+from muon_optax._sharded_ns.rounds import SPLIT_TOLERANCE, Round, per_device_flops, placed, plan_rounds
+from muon_optax._sharded_ns.split_cost import memory_budget, split_collectives, working_set
 
 NS = mo.NewtonSchulz()
 

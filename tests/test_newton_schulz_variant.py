@@ -8,7 +8,7 @@ import pytest
 from _helpers import compiled_flops
 
 import muon_optax as mo
-from muon_optax._newton_schulz.plan import (
+from muon_optax._newton_schulz.variant import (
   GRAM_MIN_ASPECT,
   gram_flops,
   gram_restarts,

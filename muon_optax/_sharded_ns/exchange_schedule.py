@@ -3,7 +3,7 @@
 local work together and how they form their m×m products (`units`), how a buffer is
 filled (`spans_of`, `segments`: a slice per run of devices, not one per device), and the
 static plan of one exchange from the stacks' layouts: how wide each round's pieces are
-and where each slot starts. `sharded_ns` packs and unpacks by it."""
+and where each slot starts. `solver` packs and unpacks by it."""
 
 from __future__ import annotations
 
@@ -15,20 +15,20 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from muon_optax._distributed.plan import Round
-from muon_optax._distributed.split_cost import (
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
+from muon_optax._sharded_ns.rounds import Round
+from muon_optax._sharded_ns.split_cost import (
   WHOLE_PRODUCTS_SHARE,
   product_chunks,
   split_collectives,
   working_set,
 )
-from muon_optax._distributed.stack_layout import Layout, by_blocks
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
+from muon_optax._sharded_ns.stack_shards import Layout, by_blocks
 
 
 def shared_slots(rounds: list[Round], apart: Collection[int] = ()) -> list[list[int]]:
   """The rounds (by index) grouped into the slots of an exchange's buffers, first fit:
-  a round joins the first slot whose rounds occupy none of its devices (`plan.placed`);
+  a round joins the first slot whose rounds occupy none of its devices (`rounds.placed`);
   those in `apart` stay alone."""
   slots, taken = [], []
   for t, r in enumerate(rounds):
@@ -186,7 +186,7 @@ def segments(rows: list[list[Span]]) -> list[tuple[int, int, list[tuple[Span, in
 
 class ExchangePlan(NamedTuple):
   """One exchange's rounds, and what the packing reads from them. Rounds on disjoint
-  devices (`plan.placed`) share a slot of the buffers: a device's slot holds the pieces
+  devices (`rounds.placed`) share a slot of the buffers: a device's slot holds the pieces
   of the one round it has a matrix in."""
 
   rounds: list[Round]

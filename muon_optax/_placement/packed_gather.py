@@ -19,8 +19,8 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.layouts import data_spec, explicit_spec, shard_mapped, spec_axes
-from muon_optax._distributed.peer_rows import from_every_peer
+from muon_optax._placement.peer_rows import from_every_peer
+from muon_optax._placement.shardings import data_spec, explicit_spec, shard_mapped, spec_axes
 
 
 def _blocks(spec: P, shape: tuple[int, ...], mesh: Mesh):
@@ -102,7 +102,7 @@ def with_packed_gather(inner: optax.GradientTransformation,
 
   Examples:
     >>> import jax, muon_optax as mo
-    >>> from muon_optax._distributed.packed_gather import with_packed_gather
+    >>> from muon_optax._placement.packed_gather import with_packed_gather
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> zero1 = mo.MeshLayout(mesh, params="replicated")
     >>> tx = mo.muon(0.02, adam=with_packed_gather(mo.AuxAdam(1e-3).transform(), zero1))

@@ -1,6 +1,6 @@
 """The static plan of distributed Newton–Schulz, computed from the shapes at trace time:
 which device runs which matrix (or which part of it) in which round, weighed by what a
-split costs (`split_cost`). No jax here: `sharded_ns` runs the plan on a mesh."""
+split costs (`split_cost`). No jax here: `solver` runs the plan on a mesh."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple, Optional
 
-from muon_optax._distributed.split_cost import (
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
+from muon_optax._newton_schulz.variant import newton_schulz_plan
+from muon_optax._sharded_ns.split_cost import (
   COLLECTIVE_BYTES,
   FLOPS_PER_BYTE,
   matmul_passes,
@@ -17,8 +19,6 @@ from muon_optax._distributed.split_cost import (
   split_flops,
   working_set,
 )
-from muon_optax._newton_schulz.plan import newton_schulz_plan
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
 
 Item = tuple[int, int]  # (stack index, matrix index in that stack)
 SplitOk = Callable[[Item, int], bool]
@@ -180,7 +180,7 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
 def placed(rounds: list[Round], devices: int) -> list[Round]:
   """`rounds` with each partial round (its matrices on its first devices) moved onto
   devices the partial rounds before it leave free, where it fits: rounds that occupy
-  disjoint devices share one slot of the exchange buffers (`exchange_plan`), so that a
+  disjoint devices share one slot of the exchange buffers (`exchange_schedule`), so that a
   device receives no zeros for a slot another round can fill. First fit, fullest
   first; a round of split g moves by a multiple of g, its groups staying whole."""
   used = lambda r: sum(item is not None for item in r.slots)

@@ -7,9 +7,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.factor_mesh import FactorMesh
-from muon_optax._distributed.plan import padded_cols
-from muon_optax._distributed.stack_layout import by_blocks, layout_of, owned
+from muon_optax._sharded_ns.factor_mesh import FactorMesh
+from muon_optax._sharded_ns.rounds import padded_cols
+from muon_optax._sharded_ns.stack_shards import by_blocks, layout_of, owned
 
 
 def test_column_parts_take_whole_blocks_where_the_split_divides_the_block_count():

@@ -1,13 +1,13 @@
 """Newton–Schulz on a device mesh: one packed exchange in, local work, one out.
 
-The assignment is static, computed from the shapes at trace time (`plan.plan_rounds`)
+The assignment is static, computed from the shapes at trace time (`rounds.plan_rounds`)
 and balanced by flops: same-shape matrices are dealt in *rounds* (one matrix per
 device), each round of one shape. The few left over in a shape group fill a partial
 round of their own, or are split by columns over groups of g devices, g chosen per
 round (rounds of different splits fill the devices): NS(X) restricted to some columns
 only needs the whole X Xᵀ, summed over the g parts wherever the iteration forms it
 (`newton_schulz_column_parts`). Whole matrices need no collective inside the iterations.
-Partial rounds lie on devices the others leave free (`plan.placed`), and rounds on
+Partial rounds lie on devices the others leave free (`rounds.placed`), and rounds on
 disjoint devices share one slot of the buffers: a device receives its own round's
 pieces there, zeros only where no round has a matrix for it.
 The local work runs one round after another (the split rounds of one shape and split
@@ -41,8 +41,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.block_parts import block_rows, blocks_in, blocks_out
-from muon_optax._distributed.exchange_plan import (
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
+from muon_optax._placement.peer_rows import from_every_peer, to_peers
+from muon_optax._placement.shardings import shard_mapped, spec_axes
+from muon_optax._sharded_ns.column_parts import block_rows, blocks_in, blocks_out
+from muon_optax._sharded_ns.exchange_schedule import (
   ExchangePlan,
   Unit,
   chunks,
@@ -51,16 +54,13 @@ from muon_optax._distributed.exchange_plan import (
   slice_width,
   units,
 )
-from muon_optax._distributed.factor_mesh import FactorMesh, linear_index
-from muon_optax._distributed.in_place import in_place
-from muon_optax._distributed.layouts import shard_mapped, spec_axes
-from muon_optax._distributed.order import after
-from muon_optax._distributed.peer_rows import from_every_peer, to_peers
-from muon_optax._distributed.plan import Round, plan_rounds
-from muon_optax._distributed.split_cost import FLOPS_PER_BYTE, memory_budget, rows_split
-from muon_optax._distributed.stack_layout import Layout, layout_of, owned
-from muon_optax._distributed.static_rows import take_rows
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
+from muon_optax._sharded_ns.factor_mesh import FactorMesh, linear_index
+from muon_optax._sharded_ns.in_place import in_place
+from muon_optax._sharded_ns.rounds import Round, plan_rounds
+from muon_optax._sharded_ns.split_cost import FLOPS_PER_BYTE, memory_budget, rows_split
+from muon_optax._sharded_ns.stack_shards import Layout, layout_of, owned
+from muon_optax._sharded_ns.static_rows import take_rows
+from muon_optax._util.order import after
 
 
 def _switch(index_table: list[int], branches: list[Callable], axes, sizes, *args):
@@ -170,7 +170,7 @@ class _Exchange:
 
   def solve(self, recv, by_block, plan: ExchangePlan, keep: Callable) -> list:
     """Each round's matrix assembled, orthogonalized and passed to `keep(t, result)`, one
-    unit after another (`exchange_plan.units`): the next unit's assembly waits for what
+    unit after another (`exchange_schedule.units`): the next unit's assembly waits for what
     the last one kept (`after`), so that its matrices and Newton–Schulz temporaries are
     not live at the same time as theirs; a unit's m×m products are formed in as many
     blocks as it says. The other rounds of a slot are assembled with its first, before

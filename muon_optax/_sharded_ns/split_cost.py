@@ -2,7 +2,7 @@
 jax): its Newton–Schulz flops (`split_flops`), the bytes (`split_bytes`) and collectives
 (`split_collectives`) its m×m matrices add, the float32 elements its work holds live
 (`working_set`), and the caps and prices the plan weighs them by (`memory_budget`,
-`FLOPS_PER_BYTE`, `COLLECTIVE_BYTES`). `plan` deals the matrices by them; the iteration
+`FLOPS_PER_BYTE`, `COLLECTIVE_BYTES`). `rounds` deals the matrices by them; the iteration
 that runs a split is `newton_schulz_column_parts` with `FactorMesh.row_blocks`."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from muon_optax._newton_schulz.plan import newton_schulz_plan
 from muon_optax._newton_schulz.settings import NewtonSchulz
+from muon_optax._newton_schulz.variant import newton_schulz_plan
+from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE  # noqa: F401  (the price's home is MeshLayout's default)
 
 
 def rows_split(rows: int, split: int) -> bool:
@@ -32,7 +33,7 @@ def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
 
 # An m×m product of a shared matrix may form the whole right factor this many column
 # blocks at a time (`FactorMesh.row_blocks`): one block is live, never the whole m×m. A
-# unit of work does so only where the memory cap needs it (`exchange_plan.units`): each
+# unit of work does so only where the memory cap needs it (`exchange_schedule.units`): each
 # block is a collective of its own.
 PRODUCT_CHUNKS = 4
 # ... where the matrix has more rows than this: below, a whole m×m (16 MB in float32)
@@ -98,16 +99,11 @@ def memory_budget(shapes: list[tuple[int, int, int]], devices: int,
 
 # A unit of split work forms its m×m products whole only where its work with them fits
 # this share of the memory cap (by default one state shard), else in blocks
-# (`exchange_plan.units`): a whole m×m saves its blocks' collectives, and within this
+# (`exchange_schedule.units`): a whole m×m saves its blocks' collectives, and within this
 # share a step's temporary memory stays where the blocks kept it
 # (benchmarks/results/scale.jsonl).
 WHOLE_PRODUCTS_SHARE = 0.5
 
-
-# What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
-# rate over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s
-# of ICI).
-FLOPS_PER_BYTE = 750
 
 
 def matmul_passes(ns: NewtonSchulz) -> int:

@@ -3,7 +3,8 @@ runs it is tested on 8 devices in test_distributed.py)."""
 
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.exchange_plan import (
+from muon_optax._newton_schulz.settings import DEFAULT_NS as NS
+from muon_optax._sharded_ns.exchange_schedule import (
   ExchangePlan,
   Span,
   Unit,
@@ -13,15 +14,14 @@ from muon_optax._distributed.exchange_plan import (
   unit_size,
   units,
 )
-from muon_optax._distributed.plan import Round
-from muon_optax._distributed.split_cost import (
+from muon_optax._sharded_ns.rounds import Round
+from muon_optax._sharded_ns.split_cost import (
   PRODUCT_CHUNKS,
   WHOLE_PRODUCTS_SHARE,
   split_collectives,
   working_set,
 )
-from muon_optax._distributed.stack_layout import Layout
-from muon_optax._newton_schulz.settings import DEFAULT_NS as NS
+from muon_optax._sharded_ns.stack_shards import Layout
 
 DEVICES = 8
 

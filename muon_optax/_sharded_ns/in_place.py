@@ -9,8 +9,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.factor_mesh import FactorMesh
-from muon_optax._distributed.layouts import shard_mapped, spec_axes
+from muon_optax._placement.shardings import shard_mapped, spec_axes
+from muon_optax._sharded_ns.factor_mesh import FactorMesh
 
 
 def in_place(ns_fn, fmesh: FactorMesh, x, spec: P, out_spec: Optional[P]):

@@ -11,11 +11,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.layouts import spec_axes
-from muon_optax._distributed.order import after
-from muon_optax._distributed.plan import group_sizes, prime_factors
-from muon_optax._distributed.split_cost import apply_blocks
 from muon_optax._newton_schulz.iteration import RowBlocks
+from muon_optax._placement.shardings import spec_axes
+from muon_optax._sharded_ns.rounds import group_sizes, prime_factors
+from muon_optax._sharded_ns.split_cost import apply_blocks
+from muon_optax._util.order import after
 
 # The collectives of a matrix shared by a group of devices (its Gram sums and the whole
 # m×m matrices it gathers) are traced in this named scope, so that a compiled program's
@@ -81,7 +81,7 @@ class FactorMesh(NamedTuple):
     """The m×m matrices of a matrix shared by g devices, one block of rows on each
     (see `newton_schulz_column_parts`): Gram sums reduce-scattered, whole matrices
     all-gathered, both over the group; their products formed `chunks` blocks at a
-    time (1: whole; `exchange_plan.units` says where blocks are needed)."""
+    time (1: whole; `exchange_schedule.units` says where blocks are needed)."""
     axes = self.group_axes(g)
 
     def rows(x):

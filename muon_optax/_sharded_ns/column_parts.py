@@ -1,6 +1,6 @@
 """Block-wise parts of split matrices: where a split divides a matrix's blocks, each part
 is whole blocks, which travel among the devices of a residue class, one all-to-all per
-split, with no slicing or padding (`stack_layout.by_blocks`)."""
+split, with no slicing or padding (`stack_shards.by_blocks`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import math
 
 import jax.numpy as jnp
 
-from muon_optax._distributed.exchange_plan import segments, spans_of
-from muon_optax._distributed.factor_mesh import FactorMesh
-from muon_optax._distributed.peer_rows import to_peers
+from muon_optax._placement.peer_rows import to_peers
+from muon_optax._sharded_ns.exchange_schedule import segments, spans_of
+from muon_optax._sharded_ns.factor_mesh import FactorMesh
 
 
 def _class_axes(fmesh: FactorMesh, g: int) -> tuple[str, ...]:

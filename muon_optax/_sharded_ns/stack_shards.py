@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._distributed.layouts import spec_axes
+from muon_optax._placement.shardings import spec_axes
 
 
 class Layout(NamedTuple):
