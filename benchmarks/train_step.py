@@ -331,7 +331,9 @@ def markdown_table(rows: list[dict]) -> str:
     recv = sum(b for _, b in c["step"].values()) / 1e9
     base = adamw.get(_key(r)[:2] + _key(r)[3:])
     tail = "— | — | —"
-    if base is not None and r is not base:
+    if r["platform"] != "tpu":  # the roofline is a v5p chip's
+      tail = "— | — | —"
+    elif base is not None and r is not base:
       e = extra(r, base)
       tail = (f"{e['flops']:.2e}, {e['hbm'] / 1e9:.1f}, {e['recv'] / 1e9:.2f} | "
               f"{1e3 * e['seconds']:.1f} | {e['percent']:.2f}")
