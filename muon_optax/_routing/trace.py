@@ -12,7 +12,15 @@ import numpy as np
 
 from muon_optax._routing.jaxpr_uses import Product, Track, Use, Walker
 from muon_optax._routing.matrix_view import MatrixView, ViewFn, default_view
-from muon_optax._routing.name_rules import ADAM, FROZEN, MUON, Rule, check_rules, first_match
+from muon_optax._routing.name_rules import (
+  ADAM,
+  BY_NAME,
+  FROZEN,
+  MUON,
+  Rule,
+  check_rules,
+  first_match,
+)
 from muon_optax._routing.value import Decision, Routing
 from muon_optax._util import paths
 
@@ -71,11 +79,12 @@ def _override(rules, path: str, leaf, shape, per_head: bool, inferred) -> Option
   if found is None:
     return None
   label, why = found
-  view = None
-  if label == MUON:
-    view = inferred.view if inferred is not None and inferred.view is not None else (
-        default_view(path, tuple(shape), per_head=per_head))
-  return Decision(label, view, why.replace("rule", "override", 1))
+  why, view = why.replace("rule", "override", 1), None
+  if label == MUON and inferred is not None and inferred.view is not None:
+    view = inferred.view
+  elif label == MUON:  # the computation gave no view: the name's
+    view, why = default_view(path, tuple(shape), per_head=per_head), f"{why}, {BY_NAME}"
+  return Decision(label, view, why)
 
 
 def _abstract(x):
@@ -206,7 +215,7 @@ def _route_leaf(path, leaf, shape, uses, head, per_head, overrides, views, block
   decision = decision or inferred
   view = views(path, shape) if views is not None and decision.label == MUON else None
   if view is not None:  # the cause stays; the view the reason named is replaced
-    cause = decision.reason.split(" → ")[0]
+    cause = decision.reason.split(" → ")[0].removesuffix(f", {BY_NAME}")
     decision = Decision(MUON, view, f"{cause} → {view.describe(shape)} (view given)")
   return decision
 
