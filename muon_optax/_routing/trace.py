@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import jax
@@ -149,6 +149,16 @@ def _check_params(params) -> None:
                      "f, params, *args (or an nnx / equinox Module, then its inputs).")
 
 
+def _variables_hint(error: Exception, params) -> str:
+  """What to pass when a Linen apply, given the params, finds no "params" collection."""
+  flax_errors = sys.modules.get("flax.errors")
+  if (flax_errors is None or not isinstance(error, flax_errors.ScopeCollectionNotFound)
+      or not isinstance(params, Mapping) or "params" in params):
+    return ""
+  return ("\nA Linen apply takes the variables, not the params: pass the variables, "
+          "{'params': params}: infer_routing(model.apply, {'params': params}, *args).")
+
+
 def _trace(fn, params, args, kwargs, output):
   """The jaxpr of fn(params, *args, **kwargs) and the names of its output arrays; with
   `output`, the arrays it picks come first and the count of them is returned."""
@@ -166,7 +176,8 @@ def _trace(fn, params, args, kwargs, output):
         jax.tree.map(_abstract, params), arrays)
   except Exception as e:  # any failure of the user's f (or output)
     what = "f(params, *args)" + (" and output(...)" if output is not None else "")
-    raise ValueError(f"infer_routing could not trace {what}: {type(e).__name__}: {e}") from e
+    raise ValueError(f"infer_routing could not trace {what}: {type(e).__name__}: {e}"
+                     f"{_variables_hint(e, params)}") from e
   if output is not None:
     picked = len(jax.tree.leaves(shape[0]))
     if not picked:
