@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
@@ -23,6 +23,7 @@ from muon_optax._placement.shardings import (
   data_spec,
   divided_axis,
   explicit_spec,
+  reshard_to,
   shard_mapped,
   spec_axes,
   stack_spec,
@@ -196,10 +197,25 @@ def select_rows(
       out.append(view.from_matrices(result, g.shape).astype(g.dtype))
       # The selected neurons are those with a nonzero update: their buffer decays.
       chosen = jnp.any(out[-1] != 0, axis=view.fan_in, keepdims=True)
-      new_buffers.append(jnp.where(chosen, ef_decay * b, b).astype(b.dtype))
+      new_buffers.append(_as_state(jnp.where(chosen, ef_decay * b, b).astype(b.dtype), b,
+                                   layout))
     return leaves.put(out), RowSelectionState(leaves.put(new_buffers, buffer))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _as_state(new: jax.Array, old: jax.Array, layout: Optional[MeshLayout]) -> jax.Array:
+  """The new buffer laid out as the state leaf `old` it replaces: its type's on an Explicit
+  mesh, else as `state_shardings` lays it out. It is computed from the exchange's results,
+  which come back on the engine's own mesh: a jitted step would otherwise return the state
+  in another layout than it took, and compile again for the next."""
+  if layout is None:
+    return new
+  spec = explicit_spec(old)
+  if spec is not None:
+    return reshard_to(new, spec)
+  spec = data_spec(tuple(old.shape), layout.mesh, layout.data_axis)
+  return jax.lax.with_sharding_constraint(new, NamedSharding(layout.mesh, spec))
 
 
 def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) -> jax.Array:
