@@ -37,7 +37,8 @@ class BlockPeriodic:
     period: every `period`-th step (the first included) orthogonalizes whole matrices;
       the others each block alone. 1 is Muon.
     devices: on one device, the blocks are those a mesh of this many devices gives
-      (see `orthogonalize_blocks`). On a mesh, None: its data axes' devices.
+      (see `orthogonalize_blocks`). On a mesh, None (or their number): its data axes'
+      devices; another count is refused.
     block_scale: the block steps' rate relative to the full steps' (block steps are
       also brought to the full steps' update RMS).
 
@@ -151,7 +152,7 @@ def orthogonalize_blocks(
   `state_shardings` lays its state out on (its largest axis they divide, the last of
   equals), read from the types on an Explicit mesh. On a mesh each device
   orthogonalizes its own block in a `shard_map` with no collective; on one device
-  `blocks.blocks` gives the count, and the results equal those of a mesh of that many
+  `blocks.devices` gives the count, and the results equal those of a mesh of that many
   devices. A leaf no axis of which they divide is one block. The step kind is chosen
   by `lax.cond` on the state's count, so one executable serves both.
 
@@ -181,6 +182,14 @@ def orthogonalize_blocks(
   if layout is None and blocks.devices is None:
     raise ValueError("BlockPeriodic(devices=None) takes its blocks from a mesh: pass mesh=, "
                      "or devices= the number of devices whose blocks to use.")
+  if layout is not None and blocks.devices is not None:
+    shards = math.prod(layout.mesh.shape[a] for a in layout.data_axis)
+    if blocks.devices != shards:
+      raise ValueError(
+          f"BlockPeriodic(devices={blocks.devices}) on a mesh whose data axes hold {shards} "
+          "devices: on a mesh the blocks are its devices' own shards. Pass devices=None (or "
+          f"{shards}) to use them, or mesh=None for the blocks of {blocks.devices} devices "
+          "on one.")
   full = orthogonalize(ns, routing=routing, mesh=mesh)
   # On a mesh each device's blocks run in as many parts as the full step's exchanges,
   # one after another, to bound their memory alike.
