@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -12,8 +11,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, Kernel, as_newton_schulz
 from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import data_spec, explicit_spec, stack_spec
 from muon_optax._routing.matrix_view import MatrixView, ViewFn, matrix_view_of
@@ -82,11 +80,11 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> S
   return solve
 
 
-def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solver:
+def mesh_solver(kernel: Kernel, layout: MeshLayout) -> Solver:
   """Stacks dealt over the mesh (`sharded_solver`), told where they lie: as the leaves'
   types say on an Explicit mesh, else as `state_shardings` lays the state out; results
   go where the params are (types), or as `layout.params` says."""
-  solve_stacks = sharded_solver(ns_fn, layout, split_fn=split_fn, cost=cost)
+  solve_stacks = sharded_solver(kernel, layout)
 
   def spec_of(leaf, wide: _Wide) -> P:
     spec = explicit_spec(leaf)
@@ -119,15 +117,10 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
   ns, layout = as_newton_schulz(ns), as_mesh_layout(mesh)
   if layout is not None and ns.fn is None:  # the defaults of the platform it runs on
     ns = ns.on(layout.platform)
-  if ns.fn is None:
-    ns_fn = functools.partial(newton_schulz, ns=ns)
-    split_fn = functools.partial(newton_schulz_column_parts, ns=ns)
-    cost = ns
-  else:  # a custom function sees whole matrices only; balance as if it were Jordan's
-    ns_fn, split_fn, cost = ns.fn, None, NewtonSchulz("jordan", gram=False)
+  kernel = Kernel.of(ns)  # a custom function sees whole matrices only
   if around is not None:
-    ns_fn, split_fn = around(ns_fn), None
-  return grouped_solver(ns_fn) if layout is None else mesh_solver(ns_fn, split_fn, cost, layout)
+    kernel = kernel.around(around)
+  return grouped_solver(kernel.whole) if layout is None else mesh_solver(kernel, layout)
 
 
 def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any = None) -> Any:

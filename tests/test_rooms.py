@@ -81,7 +81,9 @@ TESTED_AS = {
     "checkpoint/_checksum": "test_checkpoint_record", "checkpoint/_record": "test_checkpoint_record",
     "checkpoint/_files": "test_checkpoint_integrity", "_alias": "test_family",
     "_sharded_ns/solver": "test_distributed", "_sharded_ns/column_parts": "test_distributed",
-    "_sharded_ns/in_place": "test_distributed",
+    "_sharded_ns/in_place": "test_distributed", "_sharded_ns/exchange_in": "test_distributed",
+    "_sharded_ns/exchange_out": "test_distributed", "_sharded_ns/local_work": "test_distributed",
+    "_sharded_ns/exchange_stacks": "test_distributed",
 }
 UNTESTED = {"_version", "_util/types"}  # a version string and type aliases: nothing runs
 
