@@ -335,7 +335,7 @@ def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
         # column parts are cut from those blocks, zero-padded where they do not divide.
         blocks = [n if k % n == 0 else 1 for _, _, k in matrices]
         flops = per_device_flops(matrices, n, ns, group_sizes(prime_factors(n)),
-                                 col_blocks=blocks, flops_per_byte=per_byte,
+                                 col_shards=blocks, flops_per_byte=per_byte,
                                  budget=memory_budget(matrices, n, None))
         cells.append(flops / ideal_flops(matrices, n, ns))
       lines.append(f"{model:>5} {name:>8} {weighing:>12} " + " ".join(f"{c:>7.2f}" for c in cells))

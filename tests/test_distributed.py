@@ -25,7 +25,7 @@ from muon_optax._sharded_ns.split_cost import (
   split_collectives,
   working_set,
 )
-from muon_optax._sharded_ns.stack_shards import layout_of
+from muon_optax._sharded_ns.stack_shards import shards_of
 
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
 
@@ -229,7 +229,7 @@ def test_splits_finer_than_the_input_blocks_match_single_device(layout, types):
   mesh, params = mesh_of(types=types), narrow_blocks_tree()
   shapes = [(1, 16, 24), (1, 16, 40), (2, 24, 40)]
   blocks = [8, 8, 8]  # the state's columns (the long side) over the 8 devices
-  rounds = plan_rounds(shapes, 8, col_blocks=blocks, flops_per_byte=FLOPS_ALONE)
+  rounds = plan_rounds(shapes, 8, col_shards=blocks, flops_per_byte=FLOPS_ALONE)
   assert any(r.split > 1 and r.cols // 8 % r.split for r in rounds), rounds
   pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
             else mo.fsdp_shardings(params, mesh))
@@ -241,14 +241,14 @@ def test_splits_finer_than_the_input_blocks_match_single_device(layout, types):
 @pytest.mark.parametrize("count", [4, 3])
 def test_block_wise_parts_of_a_stack_travel_as_runs_and_match_single_device(count):
   # A stack of 24×40 matrices in 5-column blocks split over pairs: each part is whole
-  # blocks (`by_blocks`), and consecutive matrices of the stack lie on consecutive
+  # blocks (`takes_whole_shards`), and consecutive matrices of the stack lie on consecutive
   # residue classes, which the exchange packs as one slice. A memory cap that fits a
   # matrix's work over a pair splits 3 of them so, leaving the last pair empty.
   mesh = mesh_of()
   params = {"c": {"kernel": jax.random.normal(jax.random.key(5), (count, 24, 40)) * 0.1}}
   budget = working_set(24, 40, 2)
   memory = budget / (count * 24 * 40 / 8)  # the cap, as a multiple of the shard
-  rounds = plan_rounds([(count, 24, 40)], 8, col_blocks=[8], budget=budget)
+  rounds = plan_rounds([(count, 24, 40)], 8, col_shards=[8], budget=budget)
   assert [r.split for r in rounds] == [2]
   spans = spans_of([None if item is None else (0, 1, item) for item in rounds[0].slots[::2]])
   assert spans == [Span(count, 0, 0, 0)] + [Span(4 - count)] * (count < 4)
@@ -285,12 +285,12 @@ def test_groups_smaller_than_the_mesh_split_instead_of_padding():
 def test_layout_of_splits_replicated_blocks_between_replicas():
   mesh = mesh_of((4, 2), ("data", "model"))
   # Rows split over "data" only: each block is shared by the 2 "model" replicas.
-  lay = layout_of(NamedSharding(mesh, P(None, "data")), (3, 32, 20), mesh)
-  assert lay.grid == (4, 1) and lay.block == (8, 20) and lay.replicas == 2
-  assert lay.where[:4] == ((0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1))
+  shards = shards_of(NamedSharding(mesh, P(None, "data")), (3, 32, 20), mesh)
+  assert shards.grid == (4, 1) and shards.shard == (8, 20) and shards.replicas == 2
+  assert shards.where[:4] == ((0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1))
   # A split the shape does not allow, or a split stack axis, is dropped.
-  lay = layout_of(NamedSharding(mesh, P("model", "data")), (2, 10, 20), mesh)
-  assert lay.spec == P(None, None, None) and lay.replicas == 8 and lay.block == (10, 20)
+  shards = shards_of(NamedSharding(mesh, P("model", "data")), (2, 10, 20), mesh)
+  assert shards.spec == P(None, None, None) and shards.replicas == 8 and shards.shard == (10, 20)
 
 
 def gpt2_small_tree(layers=12, d=768):
@@ -495,8 +495,8 @@ def test_the_plan_counts_the_collectives_a_split_runs(ns, shape, memory, blocks)
   assert {r.split for r in plan_rounds([(2, *shape)], 8, ns, flops_per_byte=FLOPS_ALONE,
                                        budget=budget)} == {4}
   whole = math.inf if budget is None else WHOLE_PRODUCTS_SHARE * budget
-  assert (working_set(*shape, 4, chunks=1) <= whole) == (blocks == 1)
-  assert len(shared) == split_collectives(*shape, 4, ns, chunks=blocks)
+  assert (working_set(*shape, 4, product_chunks=1) <= whole) == (blocks == 1)
+  assert len(shared) == split_collectives(*shape, 4, ns, product_chunks=blocks)
 
 
 def test_fewer_collective_bytes_than_optax_contrib_muon():

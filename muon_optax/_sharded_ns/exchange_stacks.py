@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from muon_optax._sharded_ns.factor_mesh import FactorMesh, linear_index
 from muon_optax._sharded_ns.rounds import Round
-from muon_optax._sharded_ns.stack_shards import Layout
+from muon_optax._sharded_ns.stack_shards import StackShards
 
 
 class ExchangeStacks(NamedTuple):
@@ -24,13 +24,13 @@ class ExchangeStacks(NamedTuple):
   fmesh: FactorMesh
   shapes: list[tuple[int, int, int]]
   dtypes: list[Any]
-  ins: list[Layout]
-  outs: list[Layout]
+  ins: list[StackShards]
+  outs: list[StackShards]
   gather: bool
   kind: list[int]
 
   @classmethod
-  def of(cls, fmesh: FactorMesh, shapes, dtypes, ins: list[Layout], outs: list[Layout],
+  def of(cls, fmesh: FactorMesh, shapes, dtypes, ins: list[StackShards], outs: list[StackShards],
          gather: bool) -> ExchangeStacks:
     kinds = {}
     kind = [kinds.setdefault(pair, len(kinds)) for pair in zip(ins, outs)]

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from muon_optax._newton_schulz.iteration import RowBlocks
 from muon_optax._placement.shardings import spec_axes
 from muon_optax._sharded_ns.rounds import group_sizes, prime_factors
-from muon_optax._sharded_ns.split_cost import apply_blocks
+from muon_optax._sharded_ns.split_cost import apply_chunks
 from muon_optax._util.order import after
 
 # The collectives of a matrix shared by a group of devices (its Gram sums and the whole
@@ -80,7 +80,7 @@ class FactorMesh(NamedTuple):
   def row_blocks(self, g: int, product_chunks: int = 1) -> RowBlocks:
     """The m×m matrices of a matrix shared by g devices, one block of rows on each
     (see `newton_schulz_column_parts`): Gram sums reduce-scattered, whole matrices
-    all-gathered, both over the group; their products formed `product_chunks` chunks
+    all-gathered, both over the group; their products formed `most_product_chunks` chunks
     at a time (1: whole; `exchange_schedule.units` says where chunks are needed)."""
     group = _GroupRows(self.group_axes(g), g, product_chunks, dict(self.mesh.shape))
     return RowBlocks(*map(_in_shared_scope, (group.summed, group.gather, group.rows,
@@ -133,10 +133,10 @@ class _GroupRows(NamedTuple):
     """Rows of M X a few at a time: chunk c gathers sub-block c of every part's rows of
     M, and gives those rows of the result; each once the last chunk's is done. The
     chunks are then put together in a new X-sized array, once X (usually read last
-    here) is gone. Only where the whole M is larger than X's part (`apply_blocks`);
+    here) is gone. Only where the whole M is larger than X's part (`apply_chunks`);
     else M is gathered whole."""
     batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
-    k = apply_blocks(a.shape[-1], n, self.g, jnp.dtype(mm.operands).itemsize,
+    k = apply_chunks(a.shape[-1], n, self.g, jnp.dtype(mm.operands).itemsize,
                      x.dtype.itemsize, self.chunks)
     a = mm.operand(a)  # gathered as the product reads it
     if k == 1:

@@ -38,7 +38,7 @@ class MeshKernel(NamedTuple):
 
   def __call__(self, batch, split: int, product_chunks: int):
     """The Newton–Schulz of a batch of matrices, or of their column parts over groups of
-    `split` devices, its m×m products formed in `product_chunks` chunks."""
+    `split` devices, its m×m products formed in `most_product_chunks` chunks."""
     if split == 1:
       return self.kernel.whole(batch)
     fmesh = self.fmesh

@@ -20,12 +20,12 @@ the mesh's devices with each axis cut into its prime factors (`FactorMesh`): a g
 g consecutive devices is then a set of trailing factor axes, which collectives can name.
 Its layouts are given, not discovered: the stacks lie as the state does
 (`state_shardings`), and the results go where `MeshLayout` says the params are.
-- in (`exchange_in`): each device packs its block of every matrix into one buffer row
+- in (`exchange_in`): each device packs its shard of every matrix into one buffer row
   per owner, and a single all-to-all delivers them;
 - local work (`local_work`): each owner reassembles its matrices and orthogonalizes
   them, one unit of rounds after another;
 - out (`exchange_out`): one all-gather of the owners' packed results if every update
-  is wanted replicated, else one all-to-all that sends each device its block of every
+  is wanted replicated, else one all-to-all that sends each device its shard of every
   result, in the layout the update is wanted in.
 """
 
@@ -43,14 +43,14 @@ from muon_optax._placement.mesh_layout import MeshLayout
 from muon_optax._placement.shardings import shard_mapped
 from muon_optax._sharded_ns.exchange_in import send
 from muon_optax._sharded_ns.exchange_out import gathered, scattered, to_send
-from muon_optax._sharded_ns.exchange_schedule import ExchangePlan, chunks, units
+from muon_optax._sharded_ns.exchange_schedule import ExchangePlan, split_into_exchanges, units
 from muon_optax._sharded_ns.exchange_stacks import ExchangeStacks
 from muon_optax._sharded_ns.factor_mesh import FactorMesh
 from muon_optax._sharded_ns.in_place import in_place
 from muon_optax._sharded_ns.local_work import MeshKernel, solve
 from muon_optax._sharded_ns.rounds import Round, plan_rounds
 from muon_optax._sharded_ns.split_cost import memory_budget
-from muon_optax._sharded_ns.stack_shards import layout_of, owned
+from muon_optax._sharded_ns.stack_shards import owned, shards_of
 from muon_optax._util.order import after
 
 
@@ -88,7 +88,7 @@ def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout):
                        stacks.fmesh.groups(), [shards.grid[1] for shards in stacks.ins],
                        layout.flops_per_byte, budget)
   exchange = _Exchange(stacks, kernel, budget)
-  parts = chunks(rounds, layout.exchanges)
+  parts = split_into_exchanges(rounds, layout.exchanges)
 
   def lower(arrays):
     done, finished = {}, []
@@ -116,12 +116,12 @@ def _exchanged(kernel: Kernel, layout: MeshLayout, arrays, specs, out_specs):
     return [in_place(kernel.whole, fmesh, x, spec, out) if m else next(moved)
             for x, spec, out, m in zip(arrays, specs, wanted, mine)]
   shapes = [tuple(s.shape) for s in arrays]
-  ins = [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
+  ins = [shards_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
          for spec, shape in zip(specs, shapes)]
   gather = out_specs is None
-  outs = ([layout_of(NamedSharding(fmesh.mesh, P()), shape, fmesh.mesh) for shape in shapes]
+  outs = ([shards_of(NamedSharding(fmesh.mesh, P()), shape, fmesh.mesh) for shape in shapes]
           if gather else
-          [layout_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
+          [shards_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
            for spec, shape in zip(out_specs, shapes)])
   stacks = ExchangeStacks.of(fmesh, shapes, [s.dtype for s in arrays], ins, outs, gather)
   lower = _lowered(stacks, MeshKernel(kernel, fmesh), layout)
