@@ -69,7 +69,7 @@ def whole_shard_rows(result, classes: int):
   """A whole-shard round's result (its column part) as its owner sends it back: row q
   holds the shard of the device at position q of its residue class, transposed (its
   transpose's row block: a reshape, where a shard's own rows would be a relayout, and
-  a narrow block's last axis is padded to a TPU's 128-lane tiles). Made as soon as the
+  a narrow shard's last axis is padded to a TPU's 128-lane tiles). Made as soon as the
   result is, so that the result itself need not be kept for the way back."""
   return result.T.reshape(classes, -1)
 
@@ -78,12 +78,12 @@ def whole_shards_out(rounds, sent, fmesh: FactorMesh, dtype):
   """The whole-shard rounds' way back: each owner sends every device of its residue class
   that device's shard of its part (`sent`: the rounds' `whole_shard_rows`): ({round index:
   this device's shard of matrix q, by q}, the collectives' outputs)."""
-  back, received = {}, []
+  back, outputs = {}, []
   for g in sorted({rounds[t].split for t in rounds}):
     members = [t for t in rounds if rounds[t].split == g]
     received = to_peers([jnp.concatenate([sent[t].astype(dtype) for t in members], axis=1)],
-                    _class_axes(fmesh, g))
-    received.append(received)
+                        _class_axes(fmesh, g))
+    outputs.append(received)
     start = 0
     for t in members:
       size, matrix_rows = sent[t].shape[1], rounds[t].rows
@@ -91,4 +91,4 @@ def whole_shards_out(rounds, sent, fmesh: FactorMesh, dtype):
                                                           matrix_rows)
       back[t] = [shard.T for shard in shards]  # each transposed where it is read
       start += size
-  return back, received
+  return back, outputs
