@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from muon_optax._newton_schulz.iteration import newton_schulz
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
 from muon_optax._orthogonalize import _from_wide, _to_wide, grouped_solver, orthogonalize
-from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._placement.mesh_layout import EXCHANGES, MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import (
   data_spec,
   divided_axis,
@@ -182,10 +182,10 @@ def orthogonalize_blocks(
     raise ValueError("BlockPeriodic(devices=None) takes its blocks from a mesh: pass mesh=, "
                      "or devices= the number of devices whose blocks to use.")
   full = orthogonalize(ns, routing=routing, mesh=mesh)
-  # On a mesh each device's blocks run in as many parts as the full step's exchanges,
-  # one after another, to bound their memory alike.
+  # On a mesh each device's blocks run in as many parts as the full step's exchanges at
+  # most, one after another, to bound their memory alike.
   solve = grouped_solver(ns.fn or functools.partial(newton_schulz, ns=ns),
-                         parts=1 if layout is None else layout.exchanges)
+                         parts=1 if layout is None else layout.exchanges or EXCHANGES)
   period = blocks.period
 
   def block_step(updates, params):

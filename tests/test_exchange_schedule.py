@@ -4,17 +4,22 @@ runs it is tested on 8 devices in test_distributed.py)."""
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS as NS
+from muon_optax._placement.mesh_layout import EXCHANGES
 from muon_optax._sharded_ns.exchange_schedule import (
   ExchangePlan,
   Span,
   Unit,
+  buffer_elements,
+  exchanges_by_need,
   out_slice,
   piece,
   slice_width,
+  split_into_exchanges,
   unit_size,
+  unit_work,
   units,
 )
-from muon_optax._sharded_ns.rounds import Round
+from muon_optax._sharded_ns.rounds import Round, plan_rounds
 from muon_optax._sharded_ns.split_cost import (
   PRODUCT_CHUNKS,
   WHOLE_PRODUCTS_SHARE,
@@ -167,3 +172,33 @@ def test_units_carry_their_kind_s_blocks_and_rounds_of_whole_matrices_none():
   got = units(rounds, blocked, NS)
   assert got == [Unit([0], 1), Unit([1], PRODUCT_CHUNKS), Unit([2], PRODUCT_CHUNKS)]
   assert units(rounds, None, NS) == [Unit([0], 1), Unit([1, 2], 1)]
+
+
+def test_exchanges_by_need_one_where_the_buffers_fit_beside_the_largest_unit():
+  # 32 matrices 64×128 on 8 devices: 4 whole rounds, each a slot of its own.
+  stacks = [columns(64, 128)]
+  rounds = plan_rounds([(32, 64, 128)], DEVICES)
+  assert len(rounds) == 4
+  need = lambda budget: exchanges_by_need(rounds, stacks, stacks, False, budget)
+  work = max(unit_work(rounds, unit) for unit in units(rounds, None))
+  assert work == 2 * 64 * 128 + 4 * 64 * 64  # one whole matrix (`working_set`)
+  # One exchange's buffers: every matrix of a device's round in and back, 4 rounds.
+  whole = buffer_elements(ExchangePlan.of(rounds, stacks, stacks, False, DEVICES), False)
+  assert whole == 2 * 4 * 64 * 128
+  assert need(None) == 1 and need(whole + work) == 1
+  assert need(whole + work - 1) == 2  # each half of the rounds: half the buffers
+  assert need(whole / 2 + work - 1) == EXCHANGES  # a quarter fits: the most
+  assert need(work) == EXCHANGES  # nothing fits: the most
+  # Gathered, every device receives every result: n times the results it owns.
+  gathered = buffer_elements(ExchangePlan.of(rounds, stacks, stacks, True, DEVICES), True)
+  assert gathered == 4 * 64 * 128 * (1 + DEVICES)
+
+
+def test_exchanges_are_capped_by_the_rounds():
+  # Rounds that share devices travel together: 4 rounds make at most 4 exchanges, so a
+  # count of 8 (`MeshLayout(exchanges=8)`) cuts them exactly as 4 does.
+  rounds = plan_rounds([(32, 64, 128)], DEVICES)
+  assert split_into_exchanges(rounds, 8) == split_into_exchanges(rounds, 4)
+  assert [len(part) for part in split_into_exchanges(rounds, 8)] == [1] * 4
+  stacks = [columns(64, 128)]
+  assert exchanges_by_need(rounds[:2], stacks, stacks, False, 1.0) == 2  # nothing fits

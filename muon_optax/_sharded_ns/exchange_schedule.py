@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
+from muon_optax._placement.mesh_layout import EXCHANGES
 from muon_optax._sharded_ns.rounds import Round
 from muon_optax._sharded_ns.split_cost import (
   WHOLE_PRODUCTS_SHARE,
@@ -255,3 +256,46 @@ class ExchangePlan(NamedTuple):
     members = self.slots[slot]
     return [members.index(t) if t is not None else 0
             for t in (self.owner(slot, d) for d in range(len(self.rounds[0].slots)))]
+
+
+def buffer_elements(plan: ExchangePlan, gather: bool) -> float:
+  """About the elements a device holds in one exchange's buffers: what it receives, a
+  row from every device, and what it sends back (all of every result when `gather`);
+  a whole-shard round's part both ways."""
+  devices = len(plan.rounds[0].slots)
+  into = devices * sum(plan.slot_width)
+  if gather:
+    back = devices * sum(max(plan.rounds[t].rows * plan.round_width[t] for t in members)
+                         for members in plan.slots)
+  else:
+    back = devices * sum(plan.back_slot_width)
+  parts = sum(2 * plan.rounds[t].rows * plan.rounds[t].cols / plan.rounds[t].split
+              for t in plan.whole_shards)
+  return into + back + parts
+
+
+def unit_work(rounds: list[Round], unit: Unit) -> float:
+  """The float32 elements a unit of local work holds live (`working_set`)."""
+  r = rounds[unit.rounds[0]]
+  return len(unit.rounds) * working_set(r.rows, r.cols, r.split, unit.product_chunks)
+
+
+def exchanges_by_need(rounds: list[Round], ins: list[StackShards], outs: list[StackShards],
+                      gather: bool, budget: Optional[float], ns: NewtonSchulz = DEFAULT_NS
+                      ) -> int:
+  """How many exchanges memory needs (`MeshLayout.exchanges` None): the fewest whose
+  buffers (`buffer_elements`) each fit `budget` (float32 elements; None: no cap, one
+  exchange) beside the largest unit of local work (`units`); `EXCHANGES` where none
+  does. Never more than `split_into_exchanges` can cut: rounds that share devices
+  travel together."""
+  if budget is None or not rounds:
+    return 1
+  devices = len(rounds[0].slots)
+  work = max(unit_work(rounds, unit) for unit in units(rounds, budget, ns))
+  for count in range(1, EXCHANGES + 1):
+    parts = split_into_exchanges(rounds, count)
+    if len(parts) < count or all(
+        buffer_elements(ExchangePlan.of(part, ins, outs, gather, devices), gather) + work
+        <= budget for part in parts):
+      return len(parts)
+  return EXCHANGES

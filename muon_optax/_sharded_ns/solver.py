@@ -13,7 +13,7 @@ pieces there, zeros only where no round has a matrix for it.
 The local work runs one round after another (the split rounds of one shape and split
 together, as many as fit the memory cap, `MeshLayout.memory`), each waiting on the last
 one's results, so that one round's temporaries are live at a time; the rounds travel in
-`MeshLayout.exchanges` exchanges, one after another.
+`MeshLayout.exchanges` exchanges (by default as many as memory needs), one after another.
 
 The exchange is a `jax.shard_map`, which every backend compiles (TPU included), over
 the mesh's devices with each axis cut into its prime factors (`FactorMesh`): a group of
@@ -43,7 +43,12 @@ from muon_optax._placement.mesh_layout import MeshLayout
 from muon_optax._placement.shardings import shard_mapped
 from muon_optax._sharded_ns.exchange_in import send
 from muon_optax._sharded_ns.exchange_out import gathered, scattered, to_send
-from muon_optax._sharded_ns.exchange_schedule import ExchangePlan, split_into_exchanges, units
+from muon_optax._sharded_ns.exchange_schedule import (
+  ExchangePlan,
+  exchanges_by_need,
+  split_into_exchanges,
+  units,
+)
 from muon_optax._sharded_ns.exchange_stacks import ExchangeStacks
 from muon_optax._sharded_ns.factor_mesh import FactorMesh
 from muon_optax._sharded_ns.in_place import in_place
@@ -76,8 +81,9 @@ class _Exchange(NamedTuple):
 
 
 def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout):
-  """The per-device body over all rounds, in `layout.exchanges` exchanges one after
-  another, so that only one's buffers are live at once; `layout.memory` caps one unit's
+  """The per-device body over all rounds, in `layout.exchanges` exchanges (None: as many
+  as memory needs, `exchanges_by_need`) one after another, so that only one's buffers
+  are live at once; `layout.memory` caps one unit's
   working set, as a multiple of these stacks' shard."""
   def split_ok(item, g):
     i = item[0]
@@ -88,7 +94,9 @@ def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout):
                        stacks.fmesh.groups(), [shards.grid[1] for shards in stacks.ins],
                        layout.flops_per_byte, budget)
   exchange = _Exchange(stacks, kernel, budget)
-  parts = split_into_exchanges(rounds, layout.exchanges)
+  count = layout.exchanges or exchanges_by_need(rounds, stacks.ins, stacks.outs, stacks.gather,
+                                                budget, kernel.priced)
+  parts = split_into_exchanges(rounds, count)
 
   def lower(arrays):
     done, finished = {}, []
