@@ -14,6 +14,7 @@ from muon_optax._sharded_ns.split_cost import (
   COLLECTIVE_BYTES,
   FLOPS_PER_BYTE,
   matmul_passes,
+  memory_budget,
   split_bytes,
   split_collectives,
   split_flops,
@@ -225,13 +226,39 @@ def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
                      budget: Optional[float] = None) -> int:
   """Newton–Schulz flops each device runs under `plan_rounds`."""
   col_shards = col_shards or [1] * len(shapes)
-  def flops(r: Round) -> int:
-    if r.split == 1:
-      return _flops(r.rows, r.cols, ns)
-    shards = max(col_shards[item[0]] for item in r.slots if item is not None)
-    return split_flops(r.rows, padded_cols(r.cols, shards, r.split), r.split, ns)
-  return sum(flops(r) for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_shards,
-                                           flops_per_byte, budget))
+  return sum(_round_flops(r, col_shards, ns)
+             for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_shards,
+                                  flops_per_byte, budget))
+
+
+def _round_flops(r: Round, col_shards: list[int], ns: NewtonSchulz) -> int:
+  """The Newton–Schulz flops a device runs in round r."""
+  if r.split == 1:
+    return _flops(r.rows, r.cols, ns)
+  shards = max(col_shards[item[0]] for item in r.slots if item is not None)
+  return split_flops(r.rows, padded_cols(r.cols, shards, r.split), r.split, ns)
+
+
+class MeshPlan(NamedTuple):
+  """How the Newton–Schulz work of some matrix stacks is dealt over a mesh's devices."""
+
+  rounds: tuple[tuple[int, int, int], ...]  # (rows, cols, split) of each round, in order
+  flops_per_device: int  # the Newton–Schulz flops each device runs
+  ideal_flops_per_device: float  # every matrix's flops over the devices
+
+
+def device_plan(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz,
+                col_shards: list[int], flops_per_byte: float, memory: Optional[float]
+                ) -> MeshPlan:
+  """`plan_rounds` of stacks of wide matrices (count, rows, cols), lying in `col_shards`
+  column shards, on a 1-D mesh of `devices` devices under the memory cap `memory`
+  (`MeshLayout.memory`)."""
+  groups = group_sizes(prime_factors(devices))
+  budget = memory_budget(shapes, devices, memory)
+  rounds = plan_rounds(shapes, devices, ns, None, groups, col_shards, flops_per_byte, budget)
+  flops = sum(_round_flops(r, col_shards, ns) for r in rounds)
+  ideal = sum(count * _flops(rows, cols, ns) for count, rows, cols in shapes) / devices
+  return MeshPlan(tuple((r.rows, r.cols, r.split) for r in rounds), flops, ideal)
 
 
 def prime_factors(n: int) -> list[int]:
