@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, Kernel, as_newton_schulz
 from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE, MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import data_spec, explicit_spec, stack_spec
-from muon_optax._routing.matrix_view import MatrixView, ViewFn, matrix_view_of
+from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, from_wide, to_wide
+from muon_optax._routing.matrix_view import ViewFn
 from muon_optax._routing.value import as_routing
 from muon_optax._sharded_ns import (  # the scope's name is public: collectives read by it
   SHARED_MATRIX_SCOPE,  # noqa: F401
@@ -23,28 +24,7 @@ from muon_optax._sharded_ns import (  # the scope's name is public: collectives 
   device_plan,
   sharded_solver,
 )
-from muon_optax._util import paths
 from muon_optax._util.order import after
-
-
-class _Wide(NamedTuple):
-  """One leaf as a stack of wide (rows ≤ cols) matrices, and how to undo that."""
-
-  stack: jax.Array  # (count, rows, cols), rows ≤ cols
-  view: MatrixView
-  transposed: bool
-
-
-def _to_wide(leaf: jax.Array, view: MatrixView) -> _Wide:
-  m = view.to_matrices(leaf)
-  tall = m.shape[-2] > m.shape[-1]
-  return _Wide(jnp.swapaxes(m, -1, -2) if tall else m, view, tall)
-
-
-def _from_wide(stack: jax.Array, wide: _Wide, shape: tuple[int, ...]) -> jax.Array:
-  m = jnp.swapaxes(stack, -1, -2) if wide.transposed else stack
-  return wide.view.from_matrices(m, shape)
-
 
 # Orthogonalizes the wide (count, rows, cols) stacks of a list of leaves, returning the
 # results in order; `likes` are the params' leaves, whose layout the results should take.
@@ -92,7 +72,7 @@ def mesh_solver(kernel: Kernel, layout: MeshLayout) -> Solver:
   go where the params are (types), or as `layout.params` says."""
   solve_stacks = sharded_solver(kernel, layout)
 
-  def spec_of(leaf, wide: _Wide) -> P:
+  def spec_of(leaf, wide: WideStack) -> P:
     spec = explicit_spec(leaf)
     if spec is None:
       spec = data_spec(tuple(leaf.shape), layout.mesh, layout.data_axis)
@@ -133,21 +113,11 @@ def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any 
   """Sees every Muon leaf as a stack of wide matrices, orthogonalizes all of them with
   `solver`, and puts each result back in its leaf's layout. With `like` (the params),
   the solver also gets their leaves, whose layout the results should take."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
-  views_of = {i: matrix_view_of(views, paths.path_str(path), leaf)
-              for i, (path, leaf) in enumerate(flat) if not paths.is_masked(leaf)}
-  # An empty matrix has no direction to orthogonalize: its update is zero (it is empty).
-  wides = {i: _to_wide(flat[i][1], view) for i, view in views_of.items() if flat[i][1].size}
-  leaves = [] if like is None else jax.tree_util.tree_leaves(like, is_leaf=paths.is_masked)
-  likes = None
-  if like is not None and len(leaves) == len(flat) and all(
-      getattr(leaves[i], "shape", None) == flat[i][1].shape for i in wides):
-    likes = [leaves[i] for i in wides]
-  results = solver(list(wides.values()), [flat[i][1] for i in wides], likes)
-  out = [leaf for _, leaf in flat]
-  for (i, wide), result in zip(wides.items(), results):
-    out[i] = _from_wide(result, wide, flat[i][1].shape)
-  return jax.tree_util.tree_unflatten(treedef, out)
+  leaves = MatrixLeaves.of(updates, views)
+  xs = leaves.arrays()
+  wides = [to_wide(x, view) for x, view in zip(xs, leaves.views)]
+  results = solver(wides, xs, leaves.pick_like(like))
+  return leaves.put([from_wide(r, w, x.shape) for r, w, x in zip(results, wides, xs)])
 
 
 def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,

@@ -12,6 +12,7 @@ import optax
 from jax.typing import ArrayLike
 
 from muon_optax._placement.shardings import explicit_spec, kept_spec, reshard_to
+from muon_optax._routing.matrix_leaves import MatrixLeaves
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
 from muon_optax._routing.value import as_routing
 from muon_optax._util import paths, validate
@@ -121,10 +122,7 @@ def scale_by_second_moment(
   def init_fn(params):
     return SecondMomentState(jnp.zeros([], jnp.int32), paths.map_with_path(init_leaf, params))
 
-  def update_leaf(path, o, v, count):
-    if o.size == 0:  # no matrix to normalize: a zero update, an untouched statistic
-      return o, v
-    view = matrix_view_of(views, path, o).normalize(o.ndim)
+  def update_leaf(view, o, v, count):
     x = o.astype(v.dtype)
     square = x * x
     if over == "neurons":
@@ -153,12 +151,11 @@ def scale_by_second_moment(
   def update_fn(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
-    out, nu = [], []
-    for (path, o), v in zip(flat, treedef.flatten_up_to(state.nu)):
-      o, v = (o, v) if paths.is_masked(o) else update_leaf(paths.path_str(path), o, v, count)
-      out.append(o)
-      nu.append(v)
-    return treedef.unflatten(out), SecondMomentState(count, treedef.unflatten(nu))
+    # Empty leaves are not live: a zero update, an untouched statistic.
+    leaves = MatrixLeaves.of(updates, views)
+    pairs = [update_leaf(view, o, v, count) for view, o, v in
+             zip(leaves.views, leaves.arrays(), leaves.pick(state.nu))]
+    return (leaves.put([o for o, _ in pairs]),
+            SecondMomentState(count, leaves.put([v for _, v in pairs], state.nu)))
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -1,5 +1,5 @@
 """The static plan of one exchange on its own: no mesh, no compile (the exchange that
-runs it is tested on 8 devices in test_distributed.py)."""
+runs it is tested on 8 devices in test_sharded_ns_solver.py)."""
 
 from jax.sharding import PartitionSpec as P
 
@@ -147,7 +147,7 @@ BIG = (4096, 14336, 32)
 def test_a_unit_forms_its_products_whole_where_that_fits_and_launches_fewer_collectives():
   blocked, whole = working_set(*BIG), working_set(*BIG, product_chunks=1)
   assert whole > blocked
-  per = lambda chunks: split_collectives(*BIG, NS, product_chunks=chunks)
+  per = lambda chunks: split_collectives(*BIG, NS, product_product_chunks=chunks)
   assert per(1) < per(PRODUCT_CHUNKS) < 4 * per(1)
   # No cap: every round in one unit, products whole.
   assert unit_size(*BIG, 3, None, NS) == (3, 1)
