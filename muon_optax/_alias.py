@@ -134,7 +134,9 @@ def _family(hidden: optax.GradientTransformation, args: Mapping[str, Any], routi
 
   def init_fn(params):
     tree_fit.check_mask("weight_decay_mask", weight_decay_mask, params)
-    return offload.commit_like(inner.init(params), params)
+    state = offload.commit_like(inner.init(params), params)
+    _routing.warn_guessed_views(routing, params)
+    return state
 
   def update_fn(updates, state, params=None, **extra_args):
     # Before labelling, so that a mismatch is named as one: against the params, or the

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_trees_close, float32_bound
+from _helpers import assert_trees_close, float32_bound, rel
 
 import muon_optax as mo
 from muon_optax._util import paths
@@ -332,3 +332,18 @@ def test_an_update_without_params_is_checked_against_the_state(make):
   state = tx.init(params)
   with pytest.raises(ValueError, match="'w'"):
     tx.update({"w": jnp.ones((8, 8)), "b": params["b"]}, state)
+
+
+def test_ns_array_under_inject_hyperparams():
+  params = {"w": {"kernel": jax.random.normal(jax.random.key(0), (4, 8))}}
+  ns = np.tile(np.asarray(mo.PRESETS["jordan"][0][0]), (5, 1))
+  tx = optax.inject_hyperparams(mo.muon)(learning_rate=0.02, ns=ns)
+  u, _ = jax.jit(tx.update)(params, tx.init(params), params)
+  ref = mo.muon(0.02, ns=mo.NewtonSchulz("jordan", steps=5))
+  ur, _ = ref.update(params, ref.init(params), params)
+  # Same maths; only the coefficients' float32 vs float64 rounding differs.
+  assert rel(u["w"]["kernel"], ur["w"]["kernel"]) < 2 * float32_bound(
+      mo.NewtonSchulz("jordan", steps=5))
+  bad = optax.inject_hyperparams(mo.muon)(ns=np.ones((5, 2)))
+  with pytest.raises(ValueError, match=r"shape \(n, 3\).*\(5, 2\)"):
+    jax.jit(bad.update)(params, bad.init(params), params)

@@ -70,3 +70,37 @@ def test_auto_operands_and_precision_fixed_for_a_platform():
                                                               jax.lax.Precision.HIGHEST)
   given = mo.NewtonSchulz(compute_dtype="float32", precision="high")
   assert given.on("tpu") == given  # settings given stay as given
+
+
+def composed(table, sigma):
+  """The scalar map σ ← aσ + bσ³ + cσ⁵ of every row, in float64."""
+  for a, b, c in np.asarray(table, np.float64):
+    sigma = a * sigma + b * sigma**3 + c * sigma**5
+  return sigma
+
+
+def test_deepseek_v4_is_eight_jordan_steps_then_two_that_pin_sigma_at_one():
+  # DeepSeek-V4's schedule: 8 × (3.4445, −4.775, 2.0315), then 2 × (2, −1.5, 0.5).
+  ns = NS("deepseek_v4")
+  assert (ns.num_steps(), ns.preconditioner(), ns.safety()) == (10, "frobenius", 1.0)
+  np.testing.assert_array_equal(ns.coefficients(),
+                                [[3.4445, -4.775, 2.0315]] * 8 + [[2.0, -1.5, 0.5]] * 2)
+  # Its claim: Jordan's steps bring σ into his band, the last two pin it at 1.
+  sigma = np.geomspace(1e-4, 1, 100_001)
+  assert composed(ns.coefficients()[:8], sigma).min() > 0.68
+  out = composed(ns.coefficients(), sigma)
+  assert out.min() > 1 - 1e-12 and out.max() < 1.0021, (out.min(), out.max())
+
+
+def test_cubic5_is_five_cubic_steps_into_muons_loose_band():
+  # arXiv 2606.00371: five (a, b) rows with no quintic term.
+  ns = NS("cubic5")
+  assert (ns.num_steps(), ns.preconditioner(), ns.safety()) == (5, "frobenius", 1.0)
+  np.testing.assert_array_equal(ns.coefficients(), [
+      [3.3656576, -3.3420992, 0.0], [2.5744352, -1.4957376, 0.0],
+      [2.5368962, -1.4312570, 0.0], [2.4418906, -1.2764040, 0.0],
+      [2.2230472, -0.9630650, 0.0]])
+  # Its band: σ in [1e-2, 1] lands in [0.774, 1.3]; the schedule touches 1.3 and no more.
+  out = composed(ns.coefficients(), np.geomspace(1e-2, 1, 100_001))
+  assert out.min() > 0.774 and out.max() <= 1.3, (out.min(), out.max())
+  assert composed(ns.coefficients(), np.linspace(0, 1, 100_001)).max() > 1.2999

@@ -105,3 +105,15 @@ def test_a_shape_without_two_axes_is_a_clear_error():
     mo.newton_schulz_plan((64,))
   with pytest.raises(ValueError, match="custom fn"):
     mo.newton_schulz_plan((64, 64), NS(fn=lambda x: x))
+
+
+@pytest.mark.parametrize("gram", [False, True])
+def test_cubic_steps_skip_the_square_of_the_gram_matrix(gram):
+  # cubic5: c = 0 every step, so no (X Xᵀ)² product; XLA's count matches the formula.
+  m, n = 32, 128
+  cubic, quintic = NS("cubic5", gram=gram), NS("jordan", gram=gram)
+  x = jnp.ones((m, n), jnp.float32)
+  measured = compiled_flops(lambda x: mo.newton_schulz(x, cubic), x)
+  formula = newton_schulz_flops(m, n, cubic)
+  assert formula == newton_schulz_flops(m, n, quintic) - 5 * 2 * m**3
+  assert 1.0 <= measured / formula < 1.1, (measured, formula)

@@ -155,11 +155,20 @@ def _apply(scale, m, x, mm, blocks: RowBlocks, eye):
   return _kept(scale * x + blocks.apply(m, x, mm))
 
 
+def _static_zero(c) -> bool:
+  """Whether a coefficient is a concrete 0 (a table injected as a hyperparameter is
+  traced: its zeros are not known when the iteration is traced)."""
+  return not isinstance(c, jax.core.Tracer) and float(c) == 0.0
+
+
 def _polynomial(r, b, c, mm, blocks: RowBlocks, eye):
   """This part's rows of b R + c R². With `eye` (float32 operands), one product,
   R (b I + c R), so that the result is a product's output which the compiler keeps, not
   a sum it may fuse into every consumer, keeping the products it adds live; without
-  `eye` (16-bit operands), b R + c R R, b R exact in float32."""
+  `eye` (16-bit operands), b R + c R R, b R exact in float32. A cubic step (c a static
+  0) is b R alone: no product."""
+  if _static_zero(c):
+    return b * r
   if eye is not None:
     return blocks.product(r, b * eye + c * r, mm)
   return _kept(b * r + c * blocks.product(r, r, mm))

@@ -42,6 +42,23 @@ _TURBO = (
 )
 
 
+# DeepSeek-V4 (as carried by MaxText and NVIDIA Emerging-Optimizers): 8 of Jordan's steps
+# bring σ in [1e-4, 1] into his band, then 2 of σ ← 2σ − 1.5σ³ + 0.5σ⁵ (slope 0 at σ = 1)
+# pin it there: σ lands in [1 − 1e-15, 1.0021].
+_DEEPSEEK_V4 = _JORDAN * 8 + ((2.0, -1.5, 0.5),) * 2
+
+# cubic5 (Huang 2026, "How much orthogonalization does Muon need?", arXiv 2606.00371):
+# five cubic steps σ ← aσ + bσ³ (c = 0: two matmuls a step, no (X Xᵀ)²), relaxed to
+# Muon's loose band: σ in [1e-2, 1] lands in [0.774, 1.300]; σ = 1e-3 only reaches 0.12.
+_CUBIC5 = (
+    (3.3656576, -3.3420992, 0.0),
+    (2.5744352, -1.4957376, 0.0),
+    (2.5368962, -1.4312570, 0.0),
+    (2.4418906, -1.2764040, 0.0),
+    (2.2230472, -0.9630650, 0.0),
+)
+
+
 class Preset(NamedTuple):
   table: np.ndarray  # (rows, 3) coefficients (a, b, c)
   safety: float  # Frobenius normalization divides by ‖X‖_F · safety
@@ -53,6 +70,8 @@ PRESETS = {
     "jordan": Preset(np.asarray(_JORDAN), 1.0, "frobenius", 5),
     "polar_express": Preset(np.asarray(_POLAR_EXPRESS), 1.01, "frobenius", 5),
     "turbo": Preset(np.asarray(_TURBO), 1.0, "aol", 4),
+    "deepseek_v4": Preset(np.asarray(_DEEPSEEK_V4), 1.0, "frobenius", 10),
+    "cubic5": Preset(np.asarray(_CUBIC5), 1.0, "frobenius", 5),
 }
 PRECONDITIONS = ("frobenius", "aol")
 
@@ -116,7 +135,8 @@ class NewtonSchulz:
   `newton_schulz_plan`, `describe`). A preset name stands for `NewtonSchulz(name)`.
 
   Args:
-    coeffs: a preset ("turbo", "jordan", "polar_express"; see `PRESETS`) or an (n, 3)
+    coeffs: a preset ("turbo", "jordan", "polar_express", "deepseek_v4", "cubic5"; see
+      `PRESETS`) or an (n, 3)
       table of (a, b, c) rows. A table shorter than `steps` repeats its last row.
     steps: iterations (a Python int); None takes the preset's (a table: its rows).
     gram: True for the Gram-space iteration, False for the standard one, None to choose

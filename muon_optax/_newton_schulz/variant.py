@@ -76,17 +76,28 @@ def use_gram(m: int, n: int, steps: int, gram: Optional[bool], compute_dtype: An
   return steps >= 2 and n >= GRAM_MIN_ASPECT * m and jnp.dtype(compute_dtype).itemsize >= 4
 
 
-def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]]) -> int:
+def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]],
+               quintic: Optional[Sequence[bool]] = None) -> int:
   """Matmul flops of the Gram-space iteration on one m×n matrix, in these segments.
 
   With m ≤ n: R = X Xᵀ and the final Q X cost 2m²n each, and so does each restart's
-  X ← Q X, R ← X Xᵀ. Inside a segment of k steps each step squares R (2m³), all
-  but the first update Q ← a Q + Z Q (2m³) and all but the last update
-  R ← P (P R) (4m³): (8k − 6) m³ a segment.
+  X ← Q X, R ← X Xᵀ. Inside a segment of k steps each quintic step squares R (2m³;
+  a cubic one, c = 0, does not: `quintic`, per step, default all), all but the first
+  update Q ← a Q + Z Q (2m³) and all but the last update R ← P (P R) (4m³).
   """
   m, n = min(m, n), max(m, n)
-  return 4 * m * m * n * len(parts) + sum((8 * (stop - start) - 6) * m**3
-                                          for start, stop in parts)
+  steps = max((stop for _, stop in parts), default=0)
+  squares = steps if quintic is None else sum(map(bool, quintic[:steps]))
+  return (4 * m * m * n * len(parts) + 2 * squares * m**3
+          + sum(6 * (stop - start - 1) * m**3 for start, stop in parts))
+
+
+def quintic_steps(coeffs: Any) -> Optional[list[bool]]:
+  """Per step of a (steps, 3) table, whether it has a (X Xᵀ)² term (c ≠ 0); None if
+  the table is traced (every step then computes it)."""
+  if isinstance(coeffs, jax.core.Tracer):
+    return None
+  return [float(c) != 0.0 for c in np.asarray(coeffs)[:, 2]]
 
 
 class NSPlan(NamedTuple):
@@ -113,8 +124,9 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
   (..., m, n) with settings `ns`, on `backend` ("cpu", "gpu", "tpu"; default: jax's,
   which is what `newton_schulz` resolves "auto" against).
 
-  Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n. Gram-space: see
-  `newton_schulz`; its restarts are where rounding would otherwise grow.
+  Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n (a cubic step, c = 0,
+  skips the 2m³). Gram-space: see `newton_schulz`; its restarts are where rounding would
+  otherwise grow.
 
   Examples:
     >>> import muon_optax as mo
@@ -128,13 +140,16 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
     raise ValueError("newton_schulz_plan describes the built-in iteration; this NewtonSchulz "
                      "runs a custom fn.")
   m, n = sorted(shape[-2:])
-  steps, dtype = ns.num_steps(), ns.dtype(backend)
+  steps, dtype, coeffs = ns.num_steps(), ns.dtype(backend), ns.coefficients()
+  quintic = quintic_steps(coeffs)
+  squares = steps if quintic is None else sum(quintic)
   if use_gram(m, n, steps, ns.gram, dtype):
-    parts = tuple(segments(steps, gram_restarts(slopes_of(ns.coefficients()), steps, dtype)))
-    variant, flops, x_flops = "gram", gram_flops(m, n, parts), 4 * m * m * n * len(parts)
+    parts = tuple(segments(steps, gram_restarts(slopes_of(coeffs), steps, dtype)))
+    variant, x_flops = "gram", 4 * m * m * n * len(parts)
+    flops = gram_flops(m, n, parts, quintic)
   else:
     variant, parts, x_flops = "standard", (), 4 * m * m * n * steps
-    flops = x_flops + 2 * m**3 * steps
+    flops = x_flops + 2 * m**3 * squares
   return NSPlan(variant, steps, ns.preconditioner(), dtype.name,
                 ns.matmul_precision(backend).name, flops, parts, x_flops)
 

@@ -134,3 +134,33 @@ def test_bad_inputs():
     mo.newton_schulz(jnp.ones(4))
 
 
+
+
+# Matrices with σ (after the preset's scaling) spread over the interval each schedule
+# claims, and the band it claims they land in (tests/test_newton_schulz_settings.py
+# checks the same claims on the scalar map).
+CLAIMED = {"deepseek_v4": (1e-4, 1.0 - 1e-12, 1.0021), "cubic5": (1e-2, 0.774, 1.3)}
+
+
+@pytest.mark.parametrize("ns", sorted(CLAIMED))
+@pytest.mark.parametrize("gram", [False, True])
+def test_new_presets_land_in_their_claimed_band(ns, gram):
+  floor, low, high = CLAIMED[ns]
+  rng = np.random.default_rng(0)
+  m, n = 32, 96
+  u, _ = np.linalg.qr(rng.standard_normal((m, m)))
+  v, _ = np.linalg.qr(rng.standard_normal((n, m)))
+  # ‖σ‖₂ = 1, so that Frobenius scaling keeps them: [floor, 0.3] and one near 1.
+  sigma = np.geomspace(floor, 0.3, m - 1)
+  sigma = np.concatenate([[np.sqrt(1 - np.sum(sigma**2))], sigma])
+  x = jnp.asarray(7.0 * (u * sigma) @ v.T, jnp.float32)
+  out = jax.jit(lambda x: mo.newton_schulz(x, NS(ns, gram=gram)))(x)
+  # The float64 polynomial on the float32 input: in the claimed band; float32 within
+  # the a priori bound of it.
+  exact = u @ np.diag(sigma) @ v.T
+  for a, b, c in NS(ns).coefficients():
+    g = exact @ exact.T
+    exact = a * exact + (b * g + c * g @ g) @ exact
+  s = singular_values(exact)
+  assert s.min() > low and s.max() < high, (s.min(), s.max())
+  assert rel(out, exact) < float32_bound(ns), rel(out, exact)
