@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
-from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, Kernel, as_newton_schulz
+from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE, MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import data_spec, explicit_spec, stack_spec
 from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, from_wide, to_wide
 from muon_optax._routing.matrix_view import ViewFn
 from muon_optax._routing.value import as_routing
-from muon_optax._sharded_ns import sharded_solver
+from muon_optax._sharded_ns import (  # the scope's name is public: collectives read by it
+  SHARED_MATRIX_SCOPE,  # noqa: F401
+  MeshPlan,
+  device_plan,
+  sharded_solver,
+)
 from muon_optax._util.order import after
 
 # Orthogonalizes the wide (count, rows, cols) stacks of a list of leaves, returning the
@@ -62,11 +66,11 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> S
   return solve
 
 
-def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solver:
+def mesh_solver(kernel: Kernel, layout: MeshLayout) -> Solver:
   """Stacks dealt over the mesh (`sharded_solver`), told where they lie: as the leaves'
   types say on an Explicit mesh, else as `state_shardings` lays the state out; results
   go where the params are (types), or as `layout.params` says."""
-  solve_stacks = sharded_solver(ns_fn, layout, split_fn=split_fn, cost=cost)
+  solve_stacks = sharded_solver(kernel, layout)
 
   def spec_of(leaf, wide: WideStack) -> P:
     spec = explicit_spec(leaf)
@@ -99,15 +103,10 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
   ns, layout = as_newton_schulz(ns), as_mesh_layout(mesh)
   if layout is not None and ns.fn is None:  # the defaults of the platform it runs on
     ns = ns.on(layout.platform)
-  if ns.fn is None:
-    ns_fn = functools.partial(newton_schulz, ns=ns)
-    split_fn = functools.partial(newton_schulz_column_parts, ns=ns)
-    cost = ns
-  else:  # a custom function sees whole matrices only; balance as if it were Jordan's
-    ns_fn, split_fn, cost = ns.fn, None, NewtonSchulz("jordan", gram=False)
+  kernel = Kernel.of(ns)  # a custom function sees whole matrices only
   if around is not None:
-    ns_fn, split_fn = around(ns_fn), None
-  return grouped_solver(ns_fn) if layout is None else mesh_solver(ns_fn, split_fn, cost, layout)
+    kernel = kernel.around(around)
+  return grouped_solver(kernel.whole) if layout is None else mesh_solver(kernel, layout)
 
 
 def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any = None) -> Any:
@@ -161,3 +160,43 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
     return orthogonalize_leaves(updates, views, solver, like), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def mesh_plan(params: Any, devices: int, *, routing: Any = None, ns: NS = DEFAULT_NS,
+              flops_per_byte: float = FLOPS_PER_BYTE, memory: Optional[float] = None
+              ) -> MeshPlan:
+  """How `muon(..., mesh=)` deals the Newton–Schulz work of `params` over a 1-D mesh of
+  `devices` devices, the state's columns split over them where they divide (FSDP):
+  from the shapes alone, no compile.
+
+  Args:
+    params: the params pytree (arrays or `jax.ShapeDtypeStruct`s).
+    devices: the mesh's size.
+    routing: as given to `muon`.
+    ns: as given to `muon`; its "auto" settings are jax's default backend's.
+    flops_per_byte, memory: as given to `MeshLayout`.
+
+  Returns:
+    A `MeshPlan`: each round's (rows, cols, split), in the order they run (a split g > 1:
+    each matrix's columns shared by g devices); the Newton–Schulz flops each device runs,
+    and the ideal, every matrix's flops over the devices.
+
+  Examples:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> params = {f"l{i}": {"kernel": jnp.ones((64, 256))} for i in range(12)}
+    >>> [split for *_, split in mo.mesh_plan(params, 8).rounds]  # 8 whole, then 4
+    [1, 1]
+    >>> plan = mo.mesh_plan(params, 8, flops_per_byte=0)  # traffic free: 4 over pairs
+    >>> [split for *_, split in plan.rounds], plan.flops_per_device / plan.ideal_flops_per_device
+    ([1, 2], 1.0)
+  """
+  routing = as_routing(routing)
+  stacks = []
+  for path, leaf, decision in routing.decide(params):
+    if decision.label == "muon":
+      shape = tuple(np.shape(leaf))
+      count, fan_in, fan_out = routing.view(path, shape).matrix_shape(shape)
+      stacks.append((count, min(fan_in, fan_out), max(fan_in, fan_out)))  # wide, as NS runs
+  col_shards = [devices if cols % devices == 0 else 1 for _, _, cols in stacks]
+  return device_plan(stacks, devices, Kernel.of(as_newton_schulz(ns)).priced, col_shards,
+                     flops_per_byte, memory)
