@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Optional, Union
 
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from muon_optax._placement.shardings import DataAxis, data_axes, is_explicit
+from muon_optax._placement.param_layout import FIX, ParamSpecs, param_specs, seen_specs
+from muon_optax._placement.shardings import DataAxis, add_data_axes, data_axes, data_spec, is_explicit
 
 PARAM_LAYOUTS = ("auto", "sharded", "replicated")
 # What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
@@ -60,17 +63,24 @@ class MeshLayout:
   """
 
   mesh: Mesh
-  params: str = "auto"
+  params: Any = "auto"
   data_axis: DataAxis = "data"
   exchanges: int = EXCHANGES
   flops_per_byte: float = FLOPS_PER_BYTE
   memory: Optional[float] = None
+  # What concrete params showed at init, for params="auto" on an Auto mesh: a cache, not
+  # a setting (not compared, not copied by dataclasses.replace).
+  _seen: _Seen = dataclasses.field(default_factory=lambda: _Seen(), init=False,
+                                     compare=False, repr=False)
 
   def __post_init__(self):
     if not isinstance(self.mesh, Mesh):
       raise ValueError(f"MeshLayout needs a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
-    if self.params not in PARAM_LAYOUTS:
-      raise ValueError(f"MeshLayout(params={self.params!r}): choose one of {list(PARAM_LAYOUTS)}.")
+    if isinstance(self.params, str) and self.params not in PARAM_LAYOUTS:
+      raise ValueError(f"MeshLayout(params={self.params!r}): choose one of {list(PARAM_LAYOUTS)}, "
+                       "or pass the params' shardings (a pytree of NamedSharding or PartitionSpec).")
+    if not isinstance(self.params, (str, ParamSpecs)):
+      object.__setattr__(self, "params", param_specs(self.params, self.mesh))
     if not isinstance(self.exchanges, int) or self.exchanges < 1:
       raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer.")
     if not self.flops_per_byte >= 0:
@@ -94,9 +104,51 @@ class MeshLayout:
   def explicit(self) -> bool:
     return is_explicit(self.mesh)
 
-  def gathers(self) -> bool:
-    """Whether updates are wanted replicated (ZeRO-1) when the types do not say."""
-    return self.params == "replicated"
+  @property
+  def stated(self) -> bool:
+    """Whether the params' layout was given (a string other than "auto", or shardings)."""
+    return not (isinstance(self.params, str) and self.params == "auto")
+
+  def record(self, params: Any) -> None:
+    """At init: with params="auto" on an Auto mesh, remember the layout concrete `params`
+    carry (traced ones carry none: under `jax.jit(tx.init)` nothing is learnt)."""
+    if self.stated or self.explicit:
+      return
+    seen = seen_specs(params, self.mesh)
+    if seen:
+      self._seen.specs.update(seen)
+
+  def param_spec(self, path: str, shape: tuple[int, ...]) -> P:
+    """The layout of the parameter at `path` when the types do not say: as stated, or as
+    seen at init; else the FSDP guess, with a warning (once) that names the fix."""
+    if isinstance(self.params, ParamSpecs):
+      return self.params.spec(path)
+    if self.params == "replicated":
+      return P()
+    if self.params == "auto" and path in self._seen.specs:
+      return self._seen.specs[path]
+    if self.params == "auto" and not self._seen.warned:
+      self._seen.warned = True
+      warnings.warn(
+          f"muon_optax: the params' layout on this Auto mesh {dict(self.mesh.shape)} is not "
+          f"known (parameter {path!r} was not seen concrete at init), so it is guessed: FSDP, "
+          f"split along {self.data_axis}. A wrong guess costs extra collectives (up to tens "
+          f"of times the exchange's). State it: {FIX}, the shardings you pass to jax.jit.",
+          stacklevel=2)
+    return data_spec(shape, self.mesh, self.data_axis)
+
+  def state_spec(self, shape: tuple[int, ...], param_spec: P) -> P:
+    """The layout `state_shardings` gives a state leaf of `shape` mirroring a parameter
+    laid out as `param_spec`: its spec, with the data axes it lacks added."""
+    return add_data_axes(shape, param_spec, self.mesh, self.data_axis)
+
+
+class _Seen:
+  """The params' specs seen at init, by path, and whether the guess was warned about."""
+
+  def __init__(self):
+    self.specs: dict[str, P] = {}
+    self.warned = False
 
 
 def as_mesh_layout(mesh: Union[None, Mesh, MeshLayout, Any]):

@@ -89,7 +89,7 @@ def divided_axis(shape: tuple[int, ...], size: int,
   return max(fits, key=lambda d: (shape[d], d))
 
 
-def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str, ...]) -> P:
+def add_data_axes(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str, ...]) -> P:
   """`spec` with the data axes it lacks added on the largest free dimension they divide
   together, in the form a jitted update returns its state in (one entry per dimension
   on Explicit axes, no trailing None on Auto ones), so that step 2 finds the state laid
@@ -149,7 +149,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     shape = tuple(leaf.shape)
     param = mirrored_param(path, shape, param_shapes, reduced=True)
     spec = P() if param is None else kept_spec(param_specs.get(param, P()), shape)
-    return NamedSharding(mesh, _add_data_axis(shape, spec, mesh, axes))
+    return NamedSharding(mesh, add_data_axes(shape, spec, mesh, axes))
 
   return paths.map_with_path(sharding, abstract)
 
@@ -175,7 +175,7 @@ def fsdp_shardings(params: Any, mesh: Mesh, data_axis: DataAxis = "data") -> Any
   """
   axes = data_axes(mesh, data_axis)
   return paths.map_with_path(
-      lambda path, x: NamedSharding(mesh, _add_data_axis(tuple(np.shape(x)), P(), mesh, axes)),
+      lambda path, x: NamedSharding(mesh, add_data_axes(tuple(np.shape(x)), P(), mesh, axes)),
       params)
 
 
@@ -220,7 +220,7 @@ def data_spec(shape: tuple[int, ...], mesh: Mesh, axes: tuple[str, ...]) -> P:
   """The layout `state_shardings` gives a state leaf of `shape` whose parameter is
   replicated, and `fsdp_shardings` gives a parameter: the data axes on its largest
   dimension they divide."""
-  return _add_data_axis(shape, P(), mesh, axes)
+  return add_data_axes(shape, P(), mesh, axes)
 
 
 def stack_spec(spec: P, groups: tuple[tuple[int, ...], ...], transposed: bool) -> P:
