@@ -98,7 +98,9 @@ def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solv
 
   def param_spec(leaf, like, path) -> Optional[P]:
     """The parameter's layout, or None where only the state's is known (an Explicit mesh
-    told nothing else): the results then stay as the state lies."""
+    told nothing else, or a leaf without a path): the results then stay as the state lies."""
+    if path is None:
+      return P() if layout.params == "replicated" else None
     if layout.explicit:
       if like is not None:
         return explicit_spec(like)
@@ -108,7 +110,7 @@ def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solv
   def solve(wides, leaves, likes=None, specs=None, paths=None):
     if specs is not None:
       return solve_stacks([w.stack for w in wides], specs, specs)
-    likes = likes or [None] * len(leaves)
+    likes, paths = likes or [None] * len(leaves), paths or [None] * len(leaves)
     params = [param_spec(leaf, like, path) for leaf, like, path in zip(leaves, likes, paths)]
     ins = [explicit_spec(leaf) or layout.state_spec(tuple(leaf.shape), p or P())
            for leaf, p in zip(leaves, params)]
@@ -198,8 +200,8 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
   solver = solver_for(ns, layout)
 
   def init_fn(params):
-    if layout is not None:  # concrete params show their layout (MeshLayout.record)
-      layout.record(params)
+    if layout is not None:  # concrete params show their layout (MeshLayout.at_init)
+      layout.at_init(params)
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):

@@ -171,6 +171,8 @@ def select_rows(
     choice_layout = layout if groups == shards and shards > 1 else None
 
   def init_fn(params):
+    if layout is not None:  # concrete params show their layout (MeshLayout.at_init)
+      layout.at_init(params)
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
 
   def update_fn(updates, state, params=None):
@@ -187,7 +189,8 @@ def select_rows(
                                                                    is_leaf=paths.is_masked)
       likes = [likes[i] for i in live] if likes is not None and len(likes) == len(flat) else None
       results = solver([_Wide(m, leaf_views[i], False) for i, m in zip(live, stacks)],
-                       [buffers[i] for i in live], likes)
+                       [buffers[i] for i in live], likes,
+                       paths=[paths.path_str(flat[i][0]) for i in live])
     else:
       # Groups where the devices split the leading fan-out axis (each holds whole neurons);
       # elsewhere one, whose selection needs only the norms gathered, not the matrix.

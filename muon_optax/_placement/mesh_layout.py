@@ -22,20 +22,39 @@ EXCHANGES = 4  # measured on the TPU compiler: benchmarks/results/scale_tpu.json
 
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
-  """Where the distributed update runs and where its results go.
+  """Where the distributed update runs, how the params lie, and where results go.
 
   The exchange and the packed gather are `jax.shard_map`s, so they must be told the
-  layouts that `custom_partitioning` used to read from XLA: the state lies as
-  `state_shardings(tx, params, mesh, data_axis)` lays it out, and the updates are wanted
-  like the params.
+  layouts: the state lies as `state_shardings(tx, params, layout)` lays it out (the
+  params' layout with the data axes added), and the updates are wanted like the params.
+  On an Explicit mesh the array types say it all; on an Auto mesh (`Mesh(devices,
+  names)`, MaxText's and Flax's logical-axis rules) traced arrays carry no layout, so
+  state it once, in the form you pass to `jax.jit`:
+
+  - FSDP / ZeRO-3: `MeshLayout(mesh, params=mo.fsdp_shardings(params, mesh))`, or
+    params="sharded".
+  - ZeRO-1 (params replicated, state split): params="replicated", or the shardings.
+  - Tensor parallelism (Megatron column- and row-parallel kernels on a "model" axis),
+    alone or with FSDP on "data", and data × fsdp × tensor meshes (with
+    `data_axis=("data", "fsdp")`): the params' shardings.
+  - MoE experts on an expert axis: the shardings; an expert stack whole on its devices
+    is orthogonalized where it lies and moves nothing.
+  - Logical axis rules: what they resolve to, e.g. `nn.logical_to_mesh_sharding(
+    nn.get_partition_spec(variables), mesh, rules)` (Linen) or
+    `nnx.get_named_sharding(state, mesh)` (NNX).
+
+  A bare `mesh=` (params="auto") reads the types on an Explicit mesh; on an Auto one it
+  takes the layout the params carry when `init` gets them concrete, and otherwise (under
+  `jax.jit(tx.init)` or `jax.eval_shape`) guesses FSDP and warns once: a wrong guess
+  costs collectives (25–100× the exchange's for tensor parallelism), never correctness.
 
   Attributes:
     mesh: the device mesh; Newton–Schulz work is dealt over all its devices.
-    params: "sharded" (FSDP / ZeRO-3: updates stay split like the state), "replicated"
-      (ZeRO-1: every device gets every update, in one packed all-gather), or "auto":
-      read from the params' types on an Explicit mesh, "sharded" on an Auto one (whose
-      arrays carry no layout while traced). A wrong guess costs collectives, never
-      correctness.
+    params: the params' layout: a pytree of `NamedSharding` or `PartitionSpec` with the
+      params' structure (what you pass to `jax.jit`; checked against the params at
+      `init`, where a mismatch names the parameter); or "sharded" (FSDP: updates stay
+      split like the state), "replicated" (ZeRO-1: every device gets every update, in
+      one packed all-gather), "auto" (see above).
     data_axis: the state's data-parallel axis or axes, as given to `state_shardings`
       (default "data", or every mesh axis if the mesh has none of that name).
     exchanges: the matrices travel in this many exchanges, one after another, each
@@ -60,6 +79,15 @@ class MeshLayout:
     >>> import jax, muon_optax as mo
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = mo.muon(0.02, mesh=mo.MeshLayout(mesh, params="replicated"))  # ZeRO-1
+    >>> from jax.sharding import PartitionSpec as P
+    >>> tp = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"),
+    ...                    axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    >>> params = {"fc": {"kernel": jax.numpy.ones((16, 64))},
+    ...           "proj": {"kernel": jax.numpy.ones((64, 16))}}
+    >>> megatron = {"fc": {"kernel": P(None, "model")}, "proj": {"kernel": P("model", None)}}
+    >>> layout = mo.MeshLayout(tp, params=megatron)  # TP on an Auto mesh
+    >>> tx = mo.muon(0.02, mesh=layout)
+    >>> state = jax.jit(tx.init, out_shardings=mo.state_shardings(tx, params, layout))(params)
   """
 
   mesh: Mesh
@@ -109,9 +137,12 @@ class MeshLayout:
     """Whether the params' layout was given (a string other than "auto", or shardings)."""
     return not (isinstance(self.params, str) and self.params == "auto")
 
-  def record(self, params: Any) -> None:
-    """At init: with params="auto" on an Auto mesh, remember the layout concrete `params`
-    carry (traced ones carry none: under `jax.jit(tx.init)` nothing is learnt)."""
+  def at_init(self, params: Any) -> None:
+    """At init: a stated layout must fit `params` (a ValueError names the parameter that
+    it does not fit); with params="auto" on an Auto mesh, the layout concrete `params`
+    carry is remembered (traced ones carry none: under `jax.jit(tx.init)` nothing is)."""
+    if isinstance(self.params, ParamSpecs):
+      self.params.check(params, self.mesh)
     if self.stated or self.explicit:
       return
     seen = seen_specs(params, self.mesh)

@@ -150,7 +150,7 @@ def with_packed_gather(inner: optax.GradientTransformation,
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    layout.record(params)  # concrete params show their layout (MeshLayout.record)
+    layout.at_init(params)  # concrete params show their layout (MeshLayout.at_init)
     return inner.init(params)
 
   def update_fn(updates: Any, state, params=None, **extra_args):

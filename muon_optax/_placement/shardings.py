@@ -109,23 +109,28 @@ def add_data_axes(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str, 
   return P(*entries)
 
 
-def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
+def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Any,
                     data_axis: DataAxis = "data") -> Any:
   """NamedSharding of every leaf of `tx.init(params)`, partitioned along `data_axis`.
 
   - A state leaf that mirrors a parameter (same path suffix and shape: momentum,
     Adam moments; or the shape with some axes of size 1: a per-neuron statistic)
     starts from that parameter's spec, so FSDP-sharded params keep their state beside
-    them; if the spec lacks the data axis (ZeRO-1: replicated params, or params
-    sharded only over other axes), the data axis is added on the largest dimension it
-    divides.
+    them and tensor-parallel ones keep their model axes; if the spec lacks the data
+    axis (ZeRO-1: replicated params, or params sharded only over other axes), the data
+    axis is added on the largest free dimension it divides.
   - Any other leaf (flat buffers, counts) gets the data axis the same way.
   - Leaves with no dimension divisible by the data-axis size stay replicated.
+
+  This is the layout the optimizer's exchange reads its inputs in: pass the params as
+  they lie, or the `MeshLayout` that states their layout.
 
   Args:
     tx: the optimizer.
     params: params or `jax.ShapeDtypeStruct`s; a `NamedSharding` on them is followed.
-    mesh: the device mesh.
+    mesh: the device mesh, or the `MeshLayout` given to the optimizer: its stated
+      params layout (`MeshLayout(mesh, params=shardings)`) then lays out the params that
+      carry no sharding, and its data axes are the default.
     data_axis: the data-parallel axis of `mesh`, or a tuple of axes (("data", "fsdp"))
       over whose devices together the state is split.
 
@@ -140,8 +145,14 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     >>> shardings = mo.state_shardings(tx, params, mesh)
     >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
   """
+  stated = {}
+  if not isinstance(mesh, Mesh) and hasattr(mesh, "param_spec"):  # a MeshLayout
+    layout, mesh = mesh, mesh.mesh
+    data_axis = layout.data_axis if data_axis == "data" else data_axis
+    if hasattr(layout.params, "by_path"):
+      stated = layout.params.by_path
   axes = data_axes(mesh, data_axis)
-  param_specs = _param_specs(params, mesh)
+  param_specs = {**stated, **_param_specs(params, mesh)}
   param_shapes = {p: tuple(np.shape(x)) for p, x in paths.leaves_with_path(params)}
   abstract = jax.eval_shape(tx.init, params)
 
