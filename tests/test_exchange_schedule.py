@@ -1,5 +1,5 @@
 """The static plan of one exchange on its own: no mesh, no compile (the exchange that
-runs it is tested on 8 devices in test_distributed.py)."""
+runs it is tested on 8 devices in test_sharded_ns_solver.py)."""
 
 from jax.sharding import PartitionSpec as P
 

@@ -1,5 +1,5 @@
 """What a split matrix costs each device, on its own: no mesh, no compile (the counts are
-checked against compiled programs in test_distributed.py)."""
+checked against compiled programs in test_sharded_ns_solver.py)."""
 
 import math
 

@@ -1,11 +1,12 @@
 """How a stack lies on the mesh: its block, and column parts cut from narrow blocks as
-whole blocks (the exchange itself runs on 8 devices in test_distributed.py and for TPU
+whole blocks (the exchange itself runs on 8 devices in test_sharded_ns_solver.py and for TPU
 in test_tpu_compile.py)."""
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from sharded_case import mesh_of
 
 from muon_optax._sharded_ns.factor_mesh import FactorMesh
 from muon_optax._sharded_ns.rounds import padded_cols
@@ -53,3 +54,14 @@ def test_a_stack_is_owned_when_its_devices_hold_whole_matrices():
   assert not owned(P("data", None, "model"), (8, 16, 32), mesh)  # a matrix axis split
   assert not owned(P(), (8, 16, 32), mesh)  # replicated: every device has every matrix
   assert not owned(P(("data", "model")), (4, 16, 32), mesh)  # 4 matrices for 8 devices
+
+
+def test_layout_of_splits_replicated_blocks_between_replicas():
+  mesh = mesh_of((4, 2), ("data", "model"))
+  # Rows split over "data" only: each block is shared by the 2 "model" replicas.
+  lay = layout_of(NamedSharding(mesh, P(None, "data")), (3, 32, 20), mesh)
+  assert lay.grid == (4, 1) and lay.block == (8, 20) and lay.replicas == 2
+  assert lay.where[:4] == ((0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1))
+  # A split the shape does not allow, or a split stack axis, is dropped.
+  lay = layout_of(NamedSharding(mesh, P("model", "data")), (2, 10, 20), mesh)
+  assert lay.spec == P(None, None, None) and lay.replicas == 8 and lay.block == (10, 20)

@@ -205,8 +205,9 @@ def _route_leaf(path, leaf, shape, uses, head, per_head, overrides, views, block
     raise error
   decision = decision or inferred
   view = views(path, shape) if views is not None and decision.label == MUON else None
-  if view is not None:
-    decision = Decision(MUON, view, f"{decision.reason} (view given)")
+  if view is not None:  # the cause stays; the view the reason named is replaced
+    cause = decision.reason.split(" → ")[0]
+    decision = Decision(MUON, view, f"{cause} → {view.describe(shape)} (view given)")
   return decision
 
 

@@ -1,5 +1,5 @@
-"""Routing values and the routing table on real Flax models, every leaf's label asserted;
-label trees as optax.partition takes them."""
+"""Routing values: the labels of real Flax models, every leaf's label asserted; label trees
+as optax.partition takes them, and rules only through `Routing.from_rules`."""
 
 import flax.linen as nn
 import jax
@@ -127,21 +127,6 @@ def test_label_pytree_must_match_params():
   params = {"a": {"kernel": jnp.zeros((4, 4))}}
   with pytest.raises(ValueError, match="label tree does not match"):
     mo.muon(routing={"b": "muon"}).init(params)
-
-
-def test_describe_lists_every_leaf_and_totals():
-  params = nnx.state(GPT(rngs=nnx.Rngs(0)), nnx.Param)
-  table = mo.describe(params)
-  for path, _ in leaves_with_path(params):
-    assert path in table
-  fc_flops = mo.newton_schulz_plan((16, 64)).flops
-  assert f"{fc_flops:,}" in table
-  assert "muon:" in table and "adam:" in table and "Newton–Schulz flops per step" in table
-
-
-def test_describe_under_name_rules_says_what_they_cannot_see():
-  text = mo.describe({"Dense_2": {"kernel": jnp.zeros((4, 4))}})
-  assert "name → weight" in text and "cannot tell" in text and "infer_routing" in text
 
 
 # --- optimizer-contract regressions -----------------------------------------------
