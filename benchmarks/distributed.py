@@ -104,8 +104,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--layers", type=int, default=12)
   p.add_argument("--d", type=int, default=768, help="width")
   p.add_argument("--vocab", type=int, default=50304)
-  p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8],
-                 help=f"mesh sizes, at most {MAX_DEVICES}")
+  p.add_argument("--devices", type=int, nargs="*", default=[1, 2, 4, 8],
+                 help=f"mesh sizes, at most {MAX_DEVICES} (none: the layouts' table only)")
   p.add_argument("--biases", action="store_true", help="add GPT-2's biases and LayerNorms")
   p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS,
                  help="layouts of the second table (8 devices)")
@@ -141,7 +141,7 @@ def layout_rows(params, kind: str):
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
   args = parser().parse_args(argv)
-  if max(args.devices) > len(jax.devices()):
+  if max(args.devices, default=0) > len(jax.devices()):
     parser().error(f"--devices {max(args.devices)}: jax sees {len(jax.devices())} devices")
   params = gpt2_tree(args.layers, d=args.d, vocab=args.vocab, ctx=0, small_leaves=args.biases)
   print(header("benchmarks.distributed", argv))
@@ -151,9 +151,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   columns = (f"{'layout':<6} {'dev':>3} {'optimizer':<22} {'GFLOP/device':>12} {'vs 1/n':>7} "
              f"{'collectives':>11} {'coll. MB':>9} {'minimal MB':>10} {'× min':>6} "
              f"{'state MB/device':>15}")
-  print(columns + "\n" + "-" * len(columns))
+  if args.devices:
+    print(columns + "\n" + "-" * len(columns))
   single = {}
-  for kind in ("zero1", "fsdp"):
+  for kind in ("zero1", "fsdp") if args.devices else ():
     for n in args.devices:
       mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
                            axis_types=(jax.sharding.AxisType.Auto,))
@@ -183,11 +184,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"{r['state_bytes'] / 1e6:>15.1f}")
         if n == max(args.devices) and name != "optax.contrib.muon":
           print(f"{'':<10} {name} collectives: {r['detail']}")
-  print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
-  print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "
-        "every Muon element to its owner and back once (ZeRO-1: back = the whole update to every "
-        "device).")
-  print("All route the same leaves: hidden matrices to Muon, everything else to AdamW.")
+  if args.devices:
+    print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
+    print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "
+          "every Muon element to its owner and back once (ZeRO-1: back = the whole update to "
+          "every device).")
+    print("All route the same leaves: hidden matrices to Muon, everything else to AdamW.")
   if args.layouts:
     print(f"\nmo.muon in each layout, {MAX_DEVICES} devices (the same tree; EP adds 8 experts "
           "d×4d, each whole on one device)")
