@@ -158,6 +158,19 @@ def test_a_guess_that_may_be_wrong_warns_once_and_names_the_fix():
     collectives(tx, params, layout, pshard)
 
 
+def test_a_layout_string_the_params_contradict_at_init_warns():
+  params = small_model("tp")
+  layout, pshard = stated("tp", AUTO, params)
+  placed = jax.device_put(params, pshard)
+  with pytest.warns(UserWarning, match=r"params='sharded'\) says parameter '.*' lies as .*"
+                                       r"MeshLayout\(mesh, params=<your param shardings>\)"):
+    optimizer(mo.MeshLayout(layout.mesh, params="sharded")).init(placed)
+  fsdp = mo.fsdp_shardings(params, layout.mesh)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # FSDP params are what "sharded" says
+    optimizer(mo.MeshLayout(layout.mesh, params="sharded")).init(jax.device_put(params, fsdp))
+
+
 def test_logical_axis_rules_update_as_the_layout_they_resolve_to():
   class Mlp(nn.Module):
     @nn.compact

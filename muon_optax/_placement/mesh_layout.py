@@ -10,7 +10,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._placement.param_layout import FIX, ParamSpecs, param_specs, seen_specs
-from muon_optax._placement.shardings import DataAxis, add_data_axes, data_axes, data_spec, is_explicit
+from muon_optax._placement.shardings import (
+  DataAxis,
+  add_data_axes,
+  data_axes,
+  data_spec,
+  is_explicit,
+  same_spec,
+)
+from muon_optax._util import paths
 
 PARAM_LAYOUTS = ("auto", "sharded", "replicated")
 # What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
@@ -139,15 +147,27 @@ class MeshLayout:
 
   def at_init(self, params: Any) -> None:
     """At init: a stated layout must fit `params` (a ValueError names the parameter that
-    it does not fit); with params="auto" on an Auto mesh, the layout concrete `params`
-    carry is remembered (traced ones carry none: under `jax.jit(tx.init)` nothing is)."""
+    it does not fit). On an Auto mesh, the layout concrete `params` carry (traced ones
+    carry none: under `jax.jit(tx.init)` nothing is seen) is remembered with
+    params="auto", and warned about once if it is not what "sharded" or "replicated" says."""
     if isinstance(self.params, ParamSpecs):
       self.params.check(params, self.mesh)
-    if self.stated or self.explicit:
+    seen = None if self.explicit else seen_specs(params, self.mesh)
+    if not seen:
       return
-    seen = seen_specs(params, self.mesh)
-    if seen:
+    if not self.stated:
       self._seen.specs.update(seen)
+    elif isinstance(self.params, str):  # "sharded" or "replicated": do the params agree?
+      shapes = dict(paths.leaves_with_path(params))
+      for path, spec in seen.items():
+        said = self.param_spec(path, tuple(shapes[path].shape))
+        if not same_spec(spec, said, shapes[path].ndim):
+          warnings.warn(
+              f"muon_optax: MeshLayout(params={self.params!r}) says parameter {path!r} lies as "
+              f"{said}, but it lies as {spec}: its updates will be moved there and back, at "
+              f"extra collectives. State the layout: {FIX}, the shardings you pass to jax.jit.",
+              stacklevel=2)
+          return
 
   def param_spec(self, path: str, shape: tuple[int, ...]) -> P:
     """The layout of the parameter at `path` when the types do not say: as stated, or as

@@ -50,6 +50,12 @@ def spec_axes(entry) -> tuple[str, ...]:
   return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
 
 
+def same_spec(a: P, b: P, ndim: int) -> bool:
+  """Whether two specs lay out an array of `ndim` dimensions alike (trailing Nones aside)."""
+  pad = lambda s: [spec_axes(e) for e in s] + [()] * (ndim - len(s))
+  return pad(a) == pad(b)
+
+
 def _spec_axes(spec: P) -> set[str]:
   return {axis for entry in spec for axis in spec_axes(entry)}
 
