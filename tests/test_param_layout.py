@@ -198,6 +198,27 @@ def test_logical_axis_rules_update_as_the_layout_they_resolve_to():
   assert_close(got, want)
 
 
+def test_nnx_sharding_metadata_states_the_layout_it_names():
+  from flax import nnx
+
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.normal(0.1)
+      self.fc = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, ("data", "model")),
+                           rngs=rngs)
+      self.proj = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("model", "data")),
+                             rngs=rngs)
+
+  mesh = layout_mesh("fsdp_tp")
+  with jax.set_mesh(mesh):
+    state = nnx.state(Mlp(nnx.Rngs(0)), nnx.Param)
+  layout = mo.MeshLayout(mesh, params=nnx.get_named_sharding(state, mesh))
+  assert layout.params.by_path == {"fc/kernel": P("data", "model"), "fc/bias": P(),
+                                   "proj/kernel": P("model", "data"), "proj/bias": P()}
+  for params in (state, nnx.to_pure_dict(state)):  # the paths of either form match
+    optimizer(layout).init(params)
+
+
 def test_state_shardings_follow_the_stated_layout():
   params = small_model("fsdp_tp")
   layout, pshard = stated("fsdp_tp", AUTO, params)
