@@ -47,6 +47,7 @@ from benchmarks.common import (
   gpt2_tree,
   header,
   kernels,
+  newton_schulz_flops,
   num_params,
   optax_orthogonalize,
   optimizer_arms,
@@ -57,7 +58,6 @@ from benchmarks.common import (
   time_steps,
   tree_bytes,
 )
-from muon_optax._newton_schulz.variant import newton_schulz_flops
 
 REFERENCE = "optax.contrib.muon"
 

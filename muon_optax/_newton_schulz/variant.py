@@ -27,6 +27,8 @@ GRAM_SEGMENT_STEPS = 3
 # Automatic choice: Gram-space when the long side is at least this many times the short
 # one (the measured crossover; benchmarks/results/newton_schulz_gram.txt).
 GRAM_MIN_ASPECT = 2
+# ... and when the operands carry at least float16's mantissa bits (see `use_gram`).
+GRAM_MIN_MANTISSA = 10
 
 
 def gram_restarts(slopes: Optional[Sequence[float]], steps: int, compute_dtype: Any
@@ -34,8 +36,9 @@ def gram_restarts(slopes: Optional[Sequence[float]], steps: int, compute_dtype: 
   """Steps before which the Gram-space iteration rebuilds its state.
 
   `slopes`: |a| of each step, or None when the table is traced (injected), in which case
-  the state is rebuilt every 2 steps, as it always is with 16-bit operands: one restart
-  lets their singular values leave the band (benchmarks/results/newton_schulz_gram.txt).
+  the state is rebuilt every 2 steps, as it always is with 16-bit operands (as Gram
+  Newton–Schulz restarts its float16 iteration): one restart lets their singular values
+  leave the band (benchmarks/results/newton_schulz_gram.txt).
   """
   if slopes is None or jnp.dtype(compute_dtype).itemsize < 4:
     return tuple(range(2, steps, 2))
@@ -66,27 +69,40 @@ def use_gram(m: int, n: int, steps: int, gram: Optional[bool], compute_dtype: An
   """Whether the iteration on an m×n matrix runs in Gram space.
 
   `gram=None` (automatic) picks it when max(m, n) ≥ GRAM_MIN_ASPECT · min(m, n),
-  steps ≥ 2 and the compute dtype has at least 32 bits: with 16-bit operands for
-  R = X Xᵀ and the final Q X, Gram-space errors grow well past the standard
-  iteration's (benchmarks/results/newton_schulz_gram.txt).
+  steps ≥ 2 and the compute dtype has at least float16's 10 mantissa bits: float16
+  operands, restarted every 2 steps, stay as close to U Vᵀ as float32 ones, where
+  bfloat16's 7 bits put the Gram-space iteration measurably further from it than the
+  standard one (benchmarks/results/newton_schulz_precision.txt).
   """
   if gram is not None:
     return bool(gram)
   m, n = min(m, n), max(m, n)
-  return steps >= 2 and n >= GRAM_MIN_ASPECT * m and jnp.dtype(compute_dtype).itemsize >= 4
+  return (steps >= 2 and n >= GRAM_MIN_ASPECT * m
+          and jnp.finfo(compute_dtype).nmant >= GRAM_MIN_MANTISSA)
 
 
-def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]]) -> int:
+def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]],
+               quintic: Optional[Sequence[bool]] = None) -> int:
   """Matmul flops of the Gram-space iteration on one m×n matrix, in these segments.
 
   With m ≤ n: R = X Xᵀ and the final Q X cost 2m²n each, and so does each restart's
-  X ← Q X, R ← X Xᵀ. Inside a segment of k steps each step squares R (2m³), all
-  but the first update Q ← a Q + Z Q (2m³) and all but the last update
-  R ← P (P R) (4m³): (8k − 6) m³ a segment.
+  X ← Q X, R ← X Xᵀ. Inside a segment of k steps each quintic step squares R (2m³;
+  a cubic one, c = 0, does not: `quintic`, per step, default all), all but the first
+  update Q ← a Q + Z Q (2m³) and all but the last update R ← P (P R) (4m³).
   """
   m, n = min(m, n), max(m, n)
-  return 4 * m * m * n * len(parts) + sum((8 * (stop - start) - 6) * m**3
-                                          for start, stop in parts)
+  steps = max((stop for _, stop in parts), default=0)
+  squares = steps if quintic is None else sum(map(bool, quintic[:steps]))
+  return (4 * m * m * n * len(parts) + 2 * squares * m**3
+          + sum(6 * (stop - start - 1) * m**3 for start, stop in parts))
+
+
+def quintic_steps(coeffs: Any) -> Optional[list[bool]]:
+  """Per step of a (steps, 3) table, whether it has a (X Xᵀ)² term (c ≠ 0); None if
+  the table is traced (every step then computes it)."""
+  if isinstance(coeffs, jax.core.Tracer):
+    return None
+  return [float(c) != 0.0 for c in np.asarray(coeffs)[:, 2]]
 
 
 class NSPlan(NamedTuple):
@@ -100,11 +116,13 @@ class NSPlan(NamedTuple):
   flops: int  # matmul flops per matrix
   segments: tuple[tuple[int, int], ...]  # Gram-space runs between restarts; () if standard
   x_flops: int  # the part of `flops` in products with the m×n X (split with its columns)
+  fp8_steps: int = 0  # the first steps with float8 (e4m3) operands, scaled per matrix
 
   def __str__(self) -> str:
     return (f"{self.variant} · {self.steps} steps · {self.precondition} · "
             f"{self.compute_dtype} operands, float32 accumulation · precision "
-            f"{self.precision}")
+            f"{self.precision}" + (f" · first {self.fp8_steps} steps float8_e4m3fn operands"
+                                   if self.fp8_steps else ""))
 
 
 def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
@@ -113,8 +131,9 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
   (..., m, n) with settings `ns`, on `backend` ("cpu", "gpu", "tpu"; default: jax's,
   which is what `newton_schulz` resolves "auto" against).
 
-  Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n. Gram-space: see
-  `newton_schulz`; its restarts are where rounding would otherwise grow.
+  Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n (a cubic step, c = 0,
+  skips the 2m³). Gram-space: see `newton_schulz`; its restarts are where rounding would
+  otherwise grow.
 
   Examples:
     >>> import muon_optax as mo
@@ -128,15 +147,18 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
     raise ValueError("newton_schulz_plan describes the built-in iteration; this NewtonSchulz "
                      "runs a custom fn.")
   m, n = sorted(shape[-2:])
-  steps, dtype = ns.num_steps(), ns.dtype(backend)
-  if use_gram(m, n, steps, ns.gram, dtype):
-    parts = tuple(segments(steps, gram_restarts(slopes_of(ns.coefficients()), steps, dtype)))
-    variant, flops, x_flops = "gram", gram_flops(m, n, parts), 4 * m * m * n * len(parts)
+  steps, dtype, coeffs = ns.num_steps(), ns.dtype(backend), ns.coefficients()
+  quintic = quintic_steps(coeffs)
+  squares = steps if quintic is None else sum(quintic)
+  if not ns.fp8_steps and use_gram(m, n, steps, ns.gram, dtype):
+    parts = tuple(segments(steps, gram_restarts(slopes_of(coeffs), steps, dtype)))
+    variant, x_flops = "gram", 4 * m * m * n * len(parts)
+    flops = gram_flops(m, n, parts, quintic)
   else:
     variant, parts, x_flops = "standard", (), 4 * m * m * n * steps
-    flops = x_flops + 2 * m**3 * steps
+    flops = x_flops + 2 * m**3 * squares
   return NSPlan(variant, steps, ns.preconditioner(), dtype.name,
-                ns.matmul_precision(backend).name, flops, parts, x_flops)
+                ns.matmul_precision(backend).name, flops, parts, x_flops, ns.fp8_steps)
 
 
 def newton_schulz_flops(m: int, n: int, ns: NS = DEFAULT_NS, *,
