@@ -179,11 +179,11 @@ def select_rows(
   if select.scope == "matrix":
     # The selection runs where the whole matrix is: on the device Newton–Schulz gives it
     # to, inside the exchange, so a mesh moves what Muon's would and nothing more.
-    solver = solver_for(ns, mesh, around=lambda ns_fn: functools.partial(
+    solver = solver_for(ns, layout, around=lambda ns_fn: functools.partial(
         _select_and_orthogonalize, select=select, ns_fn=ns_fn))
     groups = None
   else:  # each shard's neurons chosen where they lie: only they reach the exchange
-    solver = solver_for(ns, mesh)
+    solver = solver_for(ns, layout)
     shards = None if layout is None else math.prod(layout.mesh.shape[a] for a in layout.data_axis)
     groups = select.devices or shards
     if groups is None:
@@ -193,6 +193,8 @@ def select_rows(
     choice_layout = layout if groups == shards and shards > 1 else None
 
   def init_fn(params):
+    if layout is not None:  # concrete params show their layout (MeshLayout.at_init)
+      layout.at_init(params)
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
 
   def update_fn(updates, state, params=None):
@@ -205,7 +207,7 @@ def select_rows(
     if groups is None:
       # (count, fan_in, fan_out) stacks, not turned wide: the selection needs the fan-out.
       results = solver([WideStack(m, view, False) for m, view in zip(stacks, leaves.views)],
-                       buffers, leaves.pick_like(params))
+                       buffers, leaves.pick_like(params), paths=leaves.paths)
     else:
       # Groups where the devices split the leading fan-out axis (each holds whole neurons);
       # elsewhere one, whose selection needs only the norms gathered, not the matrix.
