@@ -54,6 +54,10 @@ def smallest(module: str, tmp: pathlib.Path) -> Optional[list[str]]:
       "benchmarks.newton_schulz_criterion": ["--shapes", "16x48"],
       "benchmarks.newton_schulz_gram": ["--shapes", "16x48", "--dtypes", "float32", "--m",
                                         "16", "--aspects", "3", "--reps", "2"],
+      "benchmarks.newton_schulz_precision": ["--count", "3", "--shapes", "16x48", "--presets",
+                                             "turbo,cubic5", "--classes", "gaussian,heavy",
+                                             "--llama", "16x48", "--reps", "2", "--out",
+                                             str(tmp / "p.jsonl")],
       "benchmarks.optimizer_step": ["--layers", "1", "--d", "32", "--vocab", "64", "--ctx",
                                     "8", "--steps", "2"],
       "examples.qk_clip": ["--steps", "2", "--batch", "2", "--seq-len", "16", "--d-model",
@@ -128,7 +132,7 @@ def test_accelerator_runs_the_table_and_the_full_update(tmp_path, capsys):
   out = capsys.readouterr().out
   check_report(out, "benchmarks.accelerator", argv)
   assert_timed(out)
-  assert out.count("| 2×16×48 | ") == 9  # 8 muon_optax arms and optax.contrib's
+  assert out.count("| 2×16×48 | ") == 13  # 12 muon_optax arms and optax.contrib's
   assert "| muon_optax.adamuon | " in out and "| optax.contrib.muon | " in out
 
 
@@ -168,6 +172,25 @@ def test_newton_schulz_gram_forces_restarts_and_times_the_crossover(tmp_path, ca
   assert f64_err["gram ()"] != f64_err["gram (2,)"]
   assert f64_err["gram (auto) (2,)"] == f64_err["gram (2,)"]
   assert "| 16×48 | 3 |" in out
+
+
+def test_newton_schulz_precision_fills_every_cell_and_resumes(tmp_path, capsys):
+  argv = smallest("benchmarks.newton_schulz_precision", tmp_path)
+  from benchmarks import newton_schulz_precision as bench
+  for mode in ("accuracy", "flops", "time"):
+    bench.main([*argv, "--mode", mode])
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.newton_schulz_precision", [*argv, "--mode", "accuracy"])
+  assert_timed(out)
+  rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+  # 2 presets × (3 precisions × 2 variants + fp8's standard) = 14 cells, per class,
+  # per mode.
+  kinds = [r["key"].split()[0] for r in rows]
+  assert kinds.count("accuracy") == 2 * 14 and kinds.count("flops") == kinds.count("time") == 14
+  assert all(r["err_max"] >= r["err_mean"] > 0 for r in rows if "err_mean" in r)
+  # Resumable: a second run adds nothing.
+  bench.main([*argv, "--mode", "accuracy"])
+  assert len((tmp_path / "p.jsonl").read_text().splitlines()) == len(rows)
 
 
 def test_adam_backends_times_every_backend(tmp_path, capsys):

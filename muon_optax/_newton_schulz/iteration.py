@@ -268,7 +268,7 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
 
   Args:
     x: array of shape (..., m, n); leading axes are a batch.
-    ns: a `NewtonSchulz`, or a preset name ("turbo", "jordan", "polar_express").
+    ns: a `NewtonSchulz`, or a preset name (see `PRESETS`).
 
   Returns:
     Array of x's shape and dtype. Scale-invariant (NS(k·G) = NS(G)); NS(0) = 0.
