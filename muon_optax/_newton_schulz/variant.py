@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._newton_schulz.symmetric import symmetric_flops
 
 # Gram-space iteration: the m×m state is rebuilt from X before some steps (0-based).
 # Nothing in Gram space corrects rounding, where the standard iteration, contracting
@@ -79,14 +80,22 @@ def use_gram(m: int, n: int, steps: int, gram: Optional[bool], compute_dtype: An
 def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]]) -> int:
   """Matmul flops of the Gram-space iteration on one m×n matrix, in these segments.
 
-  With m ≤ n: R = X Xᵀ and the final Q X cost 2m²n each, and so does each restart's
-  X ← Q X, R ← X Xᵀ. Inside a segment of k steps each step squares R (2m³), all
-  but the first update Q ← a Q + Z Q (2m³) and all but the last update
-  R ← P (P R) (4m³): (8k − 6) m³ a segment.
+  With m ≤ n: R = X Xᵀ (symmetric: `symmetric_flops`) and the final Q X (2m²n), and so
+  do each restart's R ← X Xᵀ and X ← Q X. Inside a segment of k steps, each step
+  squares R, all but the first update Q ← P Q and all but the last update
+  R ← P (P R): 4k − 3 products of commuting symmetric m×m matrices, each symmetric.
   """
   m, n = min(m, n), max(m, n)
-  return 4 * m * m * n * len(parts) + sum((8 * (stop - start) - 6) * m**3
-                                          for start, stop in parts)
+  square = symmetric_flops(m, m)
+  return (symmetric_flops(m, n) + 2 * m * m * n) * len(parts) + sum(
+      (4 * (stop - start) - 3) * square for start, stop in parts)
+
+
+def standard_flops(m: int, n: int, steps: int) -> int:
+  """Matmul flops of the standard iteration on one m×n matrix: per step, the symmetric
+  A = X Xᵀ and b A + c A² (`symmetric_flops`) and the m×n (a I + …) X (2m²n)."""
+  m, n = min(m, n), max(m, n)
+  return (symmetric_flops(m, n) + symmetric_flops(m, m) + 2 * m * m * n) * steps
 
 
 class NSPlan(NamedTuple):
@@ -113,8 +122,9 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
   (..., m, n) with settings `ns`, on `backend` ("cpu", "gpu", "tpu"; default: jax's,
   which is what `newton_schulz` resolves "auto" against).
 
-  Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n. Gram-space: see
-  `newton_schulz`; its restarts are where rounding would otherwise grow.
+  Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n, less what symmetric
+  products save (`standard_flops`). Gram-space: see `newton_schulz` and `gram_flops`;
+  its restarts are where rounding would otherwise grow.
 
   Examples:
     >>> import muon_optax as mo
@@ -131,10 +141,11 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
   steps, dtype = ns.num_steps(), ns.dtype(backend)
   if use_gram(m, n, steps, ns.gram, dtype):
     parts = tuple(segments(steps, gram_restarts(slopes_of(ns.coefficients()), steps, dtype)))
-    variant, flops, x_flops = "gram", gram_flops(m, n, parts), 4 * m * m * n * len(parts)
+    x_flops = (symmetric_flops(m, n) + 2 * m * m * n) * len(parts)
+    variant, flops = "gram", gram_flops(m, n, parts)
   else:
-    variant, parts, x_flops = "standard", (), 4 * m * m * n * steps
-    flops = x_flops + 2 * m**3 * steps
+    variant, parts, flops = "standard", (), standard_flops(m, n, steps)
+    x_flops = (symmetric_flops(m, n) + 2 * m * m * n) * steps
   return NSPlan(variant, steps, ns.preconditioner(), dtype.name,
                 ns.matmul_precision(backend).name, flops, parts, x_flops)
 
