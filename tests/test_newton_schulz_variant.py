@@ -76,6 +76,10 @@ def test_flop_formulas_and_automatic_rule():
   assert newton_schulz_flops(m, n, jordan, backend="cpu") == gram
   standard = (10 * m * m * n + 10 * m**3) * 2 // 3 + 10 * m * m * n
   assert newton_schulz_flops(m, n, NS("jordan", gram=False)) == standard
+  # Every product whole, as a mesh splitting the m×m products' rows runs them.
+  whole = lambda ns: mo.newton_schulz_plan((m, n), ns, backend="cpu", symmetric=False).flops
+  assert whole(jordan) == 8 * m * m * n + 28 * m**3
+  assert whole(NS("jordan", gram=False)) == 20 * m * m * n + 10 * m**3
   assert newton_schulz_flops(n, m, NS("jordan"), backend="cpu") == gram_flops(m, n, segments(5))
   for steps in (1, 2, 3, 5, 8):
     for ratio in (1, 1.5, 2, 3, 4, 8):

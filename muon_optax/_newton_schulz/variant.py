@@ -3,7 +3,7 @@ Gram-space one restarts, the flops, and `newton_schulz_plan`, which says it all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -77,25 +77,35 @@ def use_gram(m: int, n: int, steps: int, gram: Optional[bool], compute_dtype: An
   return steps >= 2 and n >= GRAM_MIN_ASPECT * m and jnp.dtype(compute_dtype).itemsize >= 4
 
 
-def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]]) -> int:
+def whole_product_flops(m: int, k: int) -> int:
+  """Matmul flops of an m×m product with inner dimension k, computed whole."""
+  return 2 * m * m * k
+
+
+def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]],
+               product: Callable[[int, int], int] = symmetric_flops) -> int:
   """Matmul flops of the Gram-space iteration on one m×n matrix, in these segments.
 
   With m ≤ n: R = X Xᵀ (symmetric: `symmetric_flops`) and the final Q X (2m²n), and so
   do each restart's R ← X Xᵀ and X ← Q X. Inside a segment of k steps, each step
   squares R, all but the first update Q ← P Q and all but the last update
   R ← P (P R): 4k − 3 products of commuting symmetric m×m matrices, each symmetric.
+  `product(m, k)` counts a symmetric product (`whole_product_flops` where they are
+  computed whole).
   """
   m, n = min(m, n), max(m, n)
-  square = symmetric_flops(m, m)
-  return (symmetric_flops(m, n) + 2 * m * m * n) * len(parts) + sum(
+  square = product(m, m)
+  return (product(m, n) + 2 * m * m * n) * len(parts) + sum(
       (4 * (stop - start) - 3) * square for start, stop in parts)
 
 
-def standard_flops(m: int, n: int, steps: int) -> int:
+def standard_flops(m: int, n: int, steps: int,
+                   product: Callable[[int, int], int] = symmetric_flops) -> int:
   """Matmul flops of the standard iteration on one m×n matrix: per step, the symmetric
-  A = X Xᵀ and b A + c A² (`symmetric_flops`) and the m×n (a I + …) X (2m²n)."""
+  A = X Xᵀ and b A + c A² (`product`, as in `gram_flops`) and the m×n (a I + …) X
+  (2m²n)."""
   m, n = min(m, n), max(m, n)
-  return (symmetric_flops(m, n) + symmetric_flops(m, m) + 2 * m * m * n) * steps
+  return (product(m, n) + product(m, m) + 2 * m * m * n) * steps
 
 
 class NSPlan(NamedTuple):
@@ -117,14 +127,15 @@ class NSPlan(NamedTuple):
 
 
 def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
-                       backend: Optional[str] = None) -> NSPlan:
+                       backend: Optional[str] = None, symmetric: bool = True) -> NSPlan:
   """The variant, steps, dtype, precision and flops `newton_schulz` uses on `shape`
   (..., m, n) with settings `ns`, on `backend` ("cpu", "gpu", "tpu"; default: jax's,
   which is what `newton_schulz` resolves "auto" against).
 
   Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n, less what symmetric
   products save (`standard_flops`). Gram-space: see `newton_schulz` and `gram_flops`;
-  its restarts are where rounding would otherwise grow.
+  its restarts are where rounding would otherwise grow. `symmetric=False` counts every
+  product whole, as a mesh that splits the m×m products by rows computes them.
 
   Examples:
     >>> import muon_optax as mo
@@ -139,13 +150,13 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
                      "runs a custom fn.")
   m, n = sorted(shape[-2:])
   steps, dtype = ns.num_steps(), ns.dtype(backend)
+  product = symmetric_flops if symmetric else whole_product_flops
   if use_gram(m, n, steps, ns.gram, dtype):
     parts = tuple(segments(steps, gram_restarts(slopes_of(ns.coefficients()), steps, dtype)))
-    x_flops = (symmetric_flops(m, n) + 2 * m * m * n) * len(parts)
-    variant, flops = "gram", gram_flops(m, n, parts)
+    variant, flops = "gram", gram_flops(m, n, parts, product)
   else:
-    variant, parts, flops = "standard", (), standard_flops(m, n, steps)
-    x_flops = (symmetric_flops(m, n) + 2 * m * m * n) * steps
+    variant, parts, flops = "standard", (), standard_flops(m, n, steps, product)
+  x_flops = (product(m, n) + 2 * m * m * n) * (len(parts) if parts else steps)
   return NSPlan(variant, steps, ns.preconditioner(), dtype.name,
                 ns.matmul_precision(backend).name, flops, parts, x_flops)
 
