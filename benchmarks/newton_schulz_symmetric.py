@@ -12,10 +12,12 @@ largest difference from the whole product relative to max |X Xᵀ| (products), o
 polar error ‖O − U Vᵀ‖_F / ‖U Vᵀ‖_F against the float64 SVD (Newton–Schulz). The load
 while each shape ran, and whether the machine was busy, follow its rows.
 
-Compile-only shapes (`--flops-only`) give the compiled flops alone, on the CPU, and on
-the offline TPU v5p compiler (`--tpu`, where libtpu is installed) with the TPU defaults.
+Compile-only shapes (`--flops-only`) give the compiled flops alone, on the CPU, or on
+the offline TPU v5p compiler with the TPU defaults (`--platform tpu`, where libtpu is
+installed; bfloat16 operands, so standard iterations).
 
     python -m benchmarks.newton_schulz_symmetric [--reps 9] [--shapes 768x768,...]
+    python -m benchmarks.newton_schulz_symmetric --shapes "" --platform tpu
     python -m benchmarks.newton_schulz_symmetric --shapes 16x48 --blocks 2 --reps 2 --flops-only 32x96
 """
 
@@ -48,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--shapes", default=GPT2, help="timed shapes, comma-separated ('' for none)")
   ap.add_argument("--blocks", default="2,3,4,6,8", help="block rows of X Xᵀ, comma-separated")
   ap.add_argument("--flops-only", default=LLAMA, help="shapes compiled only ('' for none)")
-  ap.add_argument("--tpu", action="store_true", help="also compile those for a TPU v5p chip")
+  ap.add_argument("--platform", choices=("cpu", "tpu"), default="cpu",
+                  help="compile those for the CPU, or for a TPU v5p chip (libtpu)")
   return ap
 
 
@@ -82,10 +85,11 @@ def product_arms(blocks: Sequence[int]) -> dict[str, tuple]:
   return arms
 
 
-def ns_arms(ns: Optional[mo.NewtonSchulz] = None) -> dict[str, tuple]:
+def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
+  """name -> (fn of x, whole?), with the settings "auto" picks on `backend` (default: here)."""
   out = {}
   for name, settings in NS_ARMS.items():
-    settings = settings if ns is None else ns
+    settings = settings if backend is None else settings.on(backend)
     # One function each: jax reuses a function's trace, made with whole products or not.
     out[f"newton_schulz {name}, whole products"] = (
         lambda x, s=settings: mo.newton_schulz(x, s), True)
@@ -122,21 +126,20 @@ def timed_rows(shape, reps: int, blocks: Sequence[int]) -> None:
     print(f"| {label} | {load.note()} | | | | | | | |", flush=True)
 
 
-def flops_rows(shape, blocks: Sequence[int], tpu: bool) -> None:
+def flops_rows(shape, blocks: Sequence[int], platform: str) -> None:
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
   label = "×".join(map(str, shape))
-  targets = [("cpu", None, None)]
-  if tpu:
+  if platform == "tpu":  # the offline compiler: no TPU needed, libtpu is
     from jax.experimental import topologies
     chip = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[0]
-    targets.append(("tpu v5p", chip, mo.NewtonSchulz().on("tpu")))
-  for platform, device, ns in targets:
-    group = ns_arms(ns) if device is not None else {**product_arms(blocks), **ns_arms()}
-    exes = {name: compiled(fn, x, whole, device) for name, (fn, whole) in group.items()}
-    for name, exe in exes.items():
-      base = name.replace("symmetric", "whole products") if "newton" in name else "X Xᵀ whole"
-      print(f"| {label} | {platform} | {name} | {flops(exe) / 1e9:.1f} | "
-            f"{flops(exe) / flops(exes[base]):.3f} |", flush=True)
+    group, name = ns_arms("tpu"), "tpu v5p"
+  else:
+    chip, group, name = None, {**product_arms(blocks), **ns_arms()}, "cpu"
+  exes = {arm: compiled(fn, x, whole, chip) for arm, (fn, whole) in group.items()}
+  for arm, exe in exes.items():
+    base = arm.replace("symmetric", "whole products") if "newton" in arm else "X Xᵀ whole"
+    print(f"| {label} | {name} | {arm} | {flops(exe) / 1e9:.1f} | "
+          f"{flops(exe) / flops(exes[base]):.3f} |", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -154,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   if args.flops_only:
     print("\n| shape | compiled for | arm | GFLOP (compiled) | / whole |\n|---|---|---|--:|--:|")
     for shape in parse_shapes(args.flops_only):
-      flops_rows(shape, blocks, args.tpu)
+      flops_rows(shape, blocks, args.platform)
 
 
 if __name__ == "__main__":
