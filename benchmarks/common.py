@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import optax.contrib
-from optax.contrib import _muon as _optax_muon
 
 import muon_optax as mo
 from workload.machine import machine, machine_info  # noqa: F401  (re-exported)
@@ -178,12 +177,20 @@ def optimizer_arms(params: Any, learning_rate: float = 0.02, adam_learning_rate:
 
 
 def optax_orthogonalize(x: jax.Array, coeffs: Any, steps: int = 5) -> jax.Array:
-  """optax.contrib.muon's Newton–Schulz (private in optax 0.2.8) on x (..., m, n); a
+  """optax.contrib.muon's Newton–Schulz on x (..., m, n), through its public
+  `scale_by_muon` with no momentum (beta 0: the momentum is the gradient, exactly); a
   leading batch axis is a stack of matrices."""
   dims = None if x.ndim == 2 else optax.contrib.MuonDimensionNumbers(
       reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
-  return _optax_muon.orthogonalize_via_newton_schulz(
-      x, jnp.asarray(coeffs), steps, dimension_numbers=dims)
+  tx = optax.contrib.scale_by_muon(jnp.asarray(coeffs), steps, beta=0.0, nesterov=False,
+                                   weight_dimension_numbers=dims)
+  return tx.update(x, tx.init(x))[0]
+
+
+def newton_schulz_flops(m: int, n: int, ns: mo.NewtonSchulz) -> int:
+  """Matmul flops of `mo.newton_schulz` with settings `ns` on one m×n matrix, as
+  `mo.newton_schulz_plan` counts them."""
+  return mo.newton_schulz_plan((m, n), ns).flops
 
 
 def parse_shapes(spec: str, scale: float = 1.0) -> list[tuple[int, ...]]:

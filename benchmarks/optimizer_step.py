@@ -49,6 +49,7 @@ from benchmarks.common import (
   gpt2_tree,
   header,
   kernels,
+  newton_schulz_flops,
   num_params,
   optax_orthogonalize,
   optimizer_arms,
@@ -104,7 +105,7 @@ def run(args, layers: int) -> dict[str, list[float]]:
   params = gpt2_tree(layers, jax.random.key(0), d=args.d, vocab=args.vocab, ctx=args.ctx)
   grads = random_like(params, jax.random.key(1), 1e-3)
   mats = list(kernels(params).values())
-  flops = lambda ns: sum(mo.newton_schulz_plan(x.shape, ns).flops for x in mats)
+  flops = lambda ns: sum(newton_schulz_flops(*x.shape, ns) for x in mats)
   print(f"\nGPT-2-small tree, {layers} layers (width {args.d}, vocabulary {args.vocab}): "
         f"{num_params(params):,} parameters, {sum(x.size for x in mats):,} in {len(mats)} "
         f"Muon kernels; Newton–Schulz per step {flops(mo.NewtonSchulz()) / 1e9:.3g} GFLOP with "

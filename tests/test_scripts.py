@@ -389,6 +389,7 @@ def test_readme_commands_parse():
 
 # The scripts tested on a tiny configuration in files of their own.
 ELSEWHERE = {"benchmarks.checkpoint_io": "test_checkpoint_benchmark.py",
+             "benchmarks.train_step": "test_train_step.py",
              "examples.train_gpt": "test_train_gpt.py"}
 
 

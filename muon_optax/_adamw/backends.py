@@ -144,6 +144,27 @@ class AuxAdam:
                                                                   self.mu_dtype))
     check_backend(self.backend)
 
+  @classmethod
+  def from_adamw(cls, learning_rate: ScalarOrSchedule, b1: ArrayLike = 0.9,
+                 b2: ArrayLike = 0.999, eps: ArrayLike = 1e-8, eps_root: ArrayLike = 0.0,
+                 mu_dtype: Optional[Any] = None, weight_decay: ScalarOrSchedule = 1e-4,
+                 mask: Mask = None, *, nesterov: bool = False, backend: str = "optax") -> AuxAdam:
+    """The `AuxAdam` of `optax.adamw(...)` called with the same arguments: optax.adamw's
+    names and defaults (a learning rate to give; weight decay 1e-4 where `AuxAdam`'s is
+    0), so that an AdamW configuration carries over in one line, and updates the leaves
+    it reaches as `optax.adamw` does. `backend` is AuxAdam's own.
+
+    Examples:
+      >>> import muon_optax as mo
+      >>> adamw_kwargs = dict(learning_rate=3e-3, b1=0.9, b2=0.95, weight_decay=0.1)
+      >>> tx = mo.muon(0.02, adam=mo.AuxAdam.from_adamw(**adamw_kwargs))
+    """
+    if not (isinstance(eps_root, (int, float)) and eps_root == 0):
+      raise ValueError(f"AuxAdam has no eps_root (it is 0); to keep eps_root={eps_root!r}, pass "
+                       f"the transform itself: adam=optax.adamw(..., eps_root={eps_root!r}).")
+    return cls(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask,
+               nesterov=nesterov, mu_dtype=mu_dtype, backend=backend)
+
   def transform(self) -> optax.GradientTransformation:
     """AdamW with these settings; its state is the backend's NamedTuple. The mask is
     checked against the params at init; `optax.MaskedNode` leaves (an `optax.partition`

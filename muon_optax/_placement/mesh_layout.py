@@ -14,7 +14,10 @@ PARAM_LAYOUTS = ("auto", "sharded", "replicated")
 # rate over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s
 # of ICI).
 FLOPS_PER_BYTE = 750
-EXCHANGES = 4  # measured on the TPU compiler: benchmarks/results/scale_tpu.jsonl
+# The most exchanges memory asks for by default: where even this many buffers do not fit
+# beside the Newton–Schulz work, more would add collectives and save little (measured on
+# the TPU compiler: benchmarks/results/scale_tpu.jsonl).
+EXCHANGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +40,11 @@ class MeshLayout:
       (default "data", or every mesh axis if the mesh has none of that name).
     exchanges: the matrices travel in this many exchanges, one after another, each
       with its own collectives in and out: more bound the peak memory of the buffers
-      and Newton–Schulz temporaries lower, at two collectives each.
+      and Newton–Schulz temporaries lower, at two collectives each. Default (None): as
+      many as memory needs, one where an exchange's buffers fit the memory cap beside
+      the largest unit of Newton–Schulz work, more (at most 4) only where they do not.
+      An integer forces the count, capped by the rounds: rounds that share devices
+      travel together, so a tree of 4 rounds runs `exchanges=8` as 4.
     flops_per_byte: what a byte between devices costs in 16-bit matmul flops, which
       decides whether splitting a matrix over devices pays: each device then does 1/g
       of its flops but receives about three m×m blocks a step, in a few collectives
@@ -62,7 +69,7 @@ class MeshLayout:
   mesh: Mesh
   params: str = "auto"
   data_axis: DataAxis = "data"
-  exchanges: int = EXCHANGES
+  exchanges: Optional[int] = None
   flops_per_byte: float = FLOPS_PER_BYTE
   memory: Optional[float] = None
 
@@ -71,8 +78,10 @@ class MeshLayout:
       raise ValueError(f"MeshLayout needs a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
     if self.params not in PARAM_LAYOUTS:
       raise ValueError(f"MeshLayout(params={self.params!r}): choose one of {list(PARAM_LAYOUTS)}.")
-    if not isinstance(self.exchanges, int) or self.exchanges < 1:
-      raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer.")
+    if self.exchanges is not None and (isinstance(self.exchanges, bool) or not isinstance(
+        self.exchanges, int) or self.exchanges < 1):
+      raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer, "
+                       "or None for as many as memory needs.")
     if not self.flops_per_byte >= 0:
       raise ValueError(f"MeshLayout(flops_per_byte={self.flops_per_byte!r}) must be ≥ 0.")
     number = isinstance(self.memory, (int, float)) and not isinstance(self.memory, bool)
