@@ -39,7 +39,7 @@ def test_splits_finer_than_the_input_blocks_match_single_device(layout, types):
   mesh, params = mesh_of(types=types), narrow_blocks_tree()
   shapes = [(1, 16, 24), (1, 16, 40), (2, 24, 40)]
   blocks = [8, 8, 8]  # the state's columns (the long side) over the 8 devices
-  rounds = plan_rounds(shapes, 8, col_blocks=blocks, flops_per_byte=FLOPS_ALONE)
+  rounds = plan_rounds(shapes, 8, col_shards=blocks, flops_per_byte=FLOPS_ALONE)
   assert any(r.split > 1 and r.cols // 8 % r.split for r in rounds), rounds
   pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
             else mo.fsdp_shardings(params, mesh))
@@ -51,14 +51,14 @@ def test_splits_finer_than_the_input_blocks_match_single_device(layout, types):
 @pytest.mark.parametrize("count", [4, 3])
 def test_block_wise_parts_of_a_stack_travel_as_runs_and_match_single_device(count):
   # A stack of 24×40 matrices in 5-column blocks split over pairs: each part is whole
-  # blocks (`by_blocks`), and consecutive matrices of the stack lie on consecutive
+  # blocks (`takes_whole_shards`), and consecutive matrices of the stack lie on consecutive
   # residue classes, which the exchange packs as one slice. A memory cap that fits a
   # matrix's work over a pair splits 3 of them so, leaving the last pair empty.
   mesh = mesh_of()
   params = {"c": {"kernel": jax.random.normal(jax.random.key(5), (count, 24, 40)) * 0.1}}
   budget = working_set(24, 40, 2)
   memory = budget / (count * 24 * 40 / 8)  # the cap, as a multiple of the shard
-  rounds = plan_rounds([(count, 24, 40)], 8, col_blocks=[8], budget=budget)
+  rounds = plan_rounds([(count, 24, 40)], 8, col_shards=[8], budget=budget)
   assert [r.split for r in rounds] == [2]
   spans = spans_of([None if item is None else (0, 1, item) for item in rounds[0].slots[::2]])
   assert spans == [Span(count, 0, 0, 0)] + [Span(4 - count)] * (count < 4)

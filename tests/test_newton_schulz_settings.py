@@ -70,3 +70,56 @@ def test_auto_operands_and_precision_fixed_for_a_platform():
                                                               jax.lax.Precision.HIGHEST)
   given = mo.NewtonSchulz(compute_dtype="float32", precision="high")
   assert given.on("tpu") == given  # settings given stay as given
+
+
+def composed(table, sigma):
+  """The scalar map σ ← aσ + bσ³ + cσ⁵ of every row, in float64."""
+  for a, b, c in np.asarray(table, np.float64):
+    sigma = a * sigma + b * sigma**3 + c * sigma**5
+  return sigma
+
+
+def test_deepseek_v4_is_eight_jordan_steps_then_two_that_pin_sigma_at_one():
+  # DeepSeek-V4's schedule: 8 × (3.4445, −4.775, 2.0315), then 2 × (2, −1.5, 0.5).
+  ns = NS("deepseek_v4")
+  assert (ns.num_steps(), ns.preconditioner(), ns.safety()) == (10, "frobenius", 1.0)
+  np.testing.assert_array_equal(ns.coefficients(),
+                                [[3.4445, -4.775, 2.0315]] * 8 + [[2.0, -1.5, 0.5]] * 2)
+  # Its claim: Jordan's steps bring σ into his band, the last two pin it at 1.
+  sigma = np.geomspace(1e-4, 1, 100_001)
+  assert composed(ns.coefficients()[:8], sigma).min() > 0.68
+  out = composed(ns.coefficients(), sigma)
+  assert out.min() > 1 - 1e-12 and out.max() < 1.0021, (out.min(), out.max())
+
+
+def test_cubic5_is_five_cubic_steps_into_muons_loose_band():
+  # arXiv 2606.00371: five (a, b) rows with no quintic term.
+  ns = NS("cubic5")
+  assert (ns.num_steps(), ns.preconditioner(), ns.safety()) == (5, "frobenius", 1.0)
+  np.testing.assert_array_equal(ns.coefficients(), [
+      [3.3656576, -3.3420992, 0.0], [2.5744352, -1.4957376, 0.0],
+      [2.5368962, -1.4312570, 0.0], [2.4418906, -1.2764040, 0.0],
+      [2.2230472, -0.9630650, 0.0]])
+  # Its band: σ in [1e-2, 1] lands in [0.774, 1.3]; the schedule touches 1.3 and no more.
+  out = composed(ns.coefficients(), np.geomspace(1e-2, 1, 100_001))
+  assert out.min() > 0.774 and out.max() <= 1.3, (out.min(), out.max())
+  assert composed(ns.coefficients(), np.linspace(0, 1, 100_001)).max() > 1.2999
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(fp8_steps=4), r"fp8_steps must be a Python int from 0 to steps - 1 \(3\)"),
+    (dict(fp8_steps=-1), "fp8_steps must be"),
+    (dict(fp8_steps=1.0), "fp8_steps must be"),
+    (dict(fp8_steps=True), "fp8_steps must be"),
+    (dict(fp8_steps=1, gram=True), "fp8_steps run in the standard iteration"),
+    (dict(fp8_steps=1, fn=lambda x: x), r"so \['fp8_steps'\] would be ignored"),
+])
+def test_float8_steps_are_checked_when_built(settings, match):
+  with pytest.raises(ValueError, match=match):
+    mo.NewtonSchulz(**settings)
+
+
+def test_auto_operands_are_float16_on_gpu_bfloat16_on_tpu():
+  assert NS().on("gpu").compute_dtype == jnp.float16
+  assert NS().on("tpu").compute_dtype == jnp.bfloat16
+  assert NS().on("cpu").compute_dtype == jnp.float32

@@ -4,6 +4,7 @@ says how the iteration runs, checked when it is built."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -42,6 +43,23 @@ _TURBO = (
 )
 
 
+# DeepSeek-V4 (as carried by MaxText and NVIDIA Emerging-Optimizers): 8 of Jordan's steps
+# bring σ in [1e-4, 1] into his band, then 2 of σ ← 2σ − 1.5σ³ + 0.5σ⁵ (slope 0 at σ = 1)
+# pin it there: σ lands in [1 − 1e-15, 1.0021].
+_DEEPSEEK_V4 = _JORDAN * 8 + ((2.0, -1.5, 0.5),) * 2
+
+# cubic5 (Huang 2026, "How much orthogonalization does Muon need?", arXiv 2606.00371):
+# five cubic steps σ ← aσ + bσ³ (c = 0: two matmuls a step, no (X Xᵀ)²), relaxed to
+# Muon's loose band: σ in [1e-2, 1] lands in [0.774, 1.300]; σ = 1e-3 only reaches 0.12.
+_CUBIC5 = (
+    (3.3656576, -3.3420992, 0.0),
+    (2.5744352, -1.4957376, 0.0),
+    (2.5368962, -1.4312570, 0.0),
+    (2.4418906, -1.2764040, 0.0),
+    (2.2230472, -0.9630650, 0.0),
+)
+
+
 class Preset(NamedTuple):
   table: np.ndarray  # (rows, 3) coefficients (a, b, c)
   safety: float  # Frobenius normalization divides by ‖X‖_F · safety
@@ -53,6 +71,8 @@ PRESETS = {
     "jordan": Preset(np.asarray(_JORDAN), 1.0, "frobenius", 5),
     "polar_express": Preset(np.asarray(_POLAR_EXPRESS), 1.01, "frobenius", 5),
     "turbo": Preset(np.asarray(_TURBO), 1.0, "aol", 4),
+    "deepseek_v4": Preset(np.asarray(_DEEPSEEK_V4), 1.0, "frobenius", 10),
+    "cubic5": Preset(np.asarray(_CUBIC5), 1.0, "frobenius", 5),
 }
 PRECONDITIONS = ("frobenius", "aol")
 
@@ -116,15 +136,24 @@ class NewtonSchulz:
   `newton_schulz_plan`, `describe`). A preset name stands for `NewtonSchulz(name)`.
 
   Args:
-    coeffs: a preset ("turbo", "jordan", "polar_express"; see `PRESETS`) or an (n, 3)
+    coeffs: a preset ("turbo", "jordan", "polar_express", "deepseek_v4", "cubic5"; see
+      `PRESETS`) or an (n, 3)
       table of (a, b, c) rows. A table shorter than `steps` repeats its last row.
     steps: iterations (a Python int); None takes the preset's (a table: its rows).
     gram: True for the Gram-space iteration, False for the standard one, None to choose
       per matrix shape and dtype (see `newton_schulz`).
     precondition: "frobenius", "aol", or None for the preset's own (a table: frobenius).
-    compute_dtype: matmul operand dtype, or "auto": bfloat16 on GPU and TPU, float32 on
-      CPU. Products accumulate in float32.
+    compute_dtype: matmul operand dtype, or "auto": float16 on GPU, bfloat16 on TPU,
+      float32 on CPU (each platform's fastest with float32 accumulation; float16 has 3
+      more bits than bfloat16, which keeps the Gram-space iteration as accurate as
+      float32: benchmarks/results/newton_schulz_precision.txt). Products accumulate in
+      float32.
     precision: matmul precision, or "auto": HIGHEST on CPU, DEFAULT on accelerators.
+    fp8_steps: how many of the first steps read their operands as float8 (e4m3), each
+      matrix scaled by a power of two so that its largest entry is 128 to 256 (a Python
+      int, 0 by default; fewer than the steps). They run the standard iteration: Gram
+      space cannot hold its state in 8 bits. An option, not a default: see
+      benchmarks/results/newton_schulz_precision.txt for what it costs in accuracy.
     fn: any function from a (count, m, n) stack of wide matrices (m ≤ n) to an array of
       the same shape (a Pallas kernel, another polynomial); it replaces the built-in
       iteration, so the other settings must keep their defaults.
@@ -141,6 +170,7 @@ class NewtonSchulz:
   precondition: Optional[str] = None
   compute_dtype: Any = "auto"
   precision: Any = "auto"
+  fp8_steps: int = 0
   fn: Optional[Callable[[jax.Array], jax.Array]] = None
 
   def __post_init__(self):
@@ -163,6 +193,15 @@ class NewtonSchulz:
     if self.precondition not in (None, *PRECONDITIONS):
       raise ValueError(f"NewtonSchulz precondition must be one of {PRECONDITIONS} or None, "
                        f"got {self.precondition!r}.")
+    if isinstance(self.fp8_steps, bool) or not isinstance(self.fp8_steps, (int, np.integer)) \
+        or not 0 <= self.fp8_steps < self.num_steps():
+      raise ValueError(f"NewtonSchulz fp8_steps must be a Python int from 0 to steps - 1 "
+                       f"({self.num_steps() - 1}): the last step reads wider operands; got "
+                       f"{self.fp8_steps!r}.")
+    set_("fp8_steps", int(self.fp8_steps))
+    if self.fp8_steps and self.gram:
+      raise ValueError("NewtonSchulz fp8_steps run in the standard iteration (Gram space "
+                       "cannot hold its state in 8 bits); pass gram=False or None with them.")
     set_("compute_dtype", _compute_dtype(self.compute_dtype))
     set_("precision", _precision(self.precision))
     if self.fn is not None:
@@ -174,6 +213,7 @@ class NewtonSchulz:
           ("steps", self.steps is not None), ("gram", self.gram is not None),
           ("precondition", self.precondition is not None),
           ("compute_dtype", not isinstance(self.compute_dtype, str)),
+          ("fp8_steps", self.fp8_steps != 0),
           ("precision", not isinstance(self.precision, str))) if value]
       if given:
         raise ValueError(f"NewtonSchulz fn replaces the built-in iteration, so {given} would "
@@ -209,7 +249,7 @@ class NewtonSchulz:
   def dtype(self, backend: Optional[str] = None) -> jnp.dtype:
     """The matmul operand dtype on `backend` (default: jax's)."""
     if isinstance(self.compute_dtype, str):
-      return jnp.dtype(jnp.float32 if _backend(backend) == "cpu" else jnp.bfloat16)
+      return jnp.dtype(AUTO_DTYPES.get(_backend(backend), jnp.bfloat16))
     return self.compute_dtype
 
   def on(self, backend: str) -> NewtonSchulz:
@@ -227,6 +267,11 @@ class NewtonSchulz:
     return self.precision
 
 
+# "auto" operands per platform: float16 where it is native (GPU tensor cores run it as
+# fast as bfloat16); bfloat16 on TPU (float16 is not native there) and anywhere else.
+AUTO_DTYPES = {"cpu": jnp.float32, "gpu": jnp.float16, "cuda": jnp.float16,
+               "rocm": jnp.float16, "tpu": jnp.bfloat16}
+
 NS = Union[str, NewtonSchulz]
 DEFAULT_NS = NewtonSchulz()
 
@@ -240,3 +285,41 @@ def as_newton_schulz(ns: Any) -> NewtonSchulz:
   if callable(ns):
     raise ValueError("to plug in your own orthogonalization pass ns=NewtonSchulz(fn=...).")
   return NewtonSchulz(ns)
+
+
+# A custom `fn` is priced, where a mesh balances the work, as Jordan's standard quintic:
+# its own flops are unknown.
+CUSTOM_FN_PRICE = NewtonSchulz("jordan", gram=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """What runs Newton–Schulz where matrices are dealt over devices, one value built from
+  a `NewtonSchulz` (`Kernel.of`) that travels whole.
+
+  Attributes:
+    whole: a (count, m, n) stack of wide matrices -> its orthogonalization.
+    column_parts: `newton_schulz_column_parts` with the same settings: runs matrices
+      split by columns over several devices, `(x, parts, reduce, rows=)`; None where
+      matrices must be orthogonalized whole (a custom `fn`, a selection around it).
+    priced: the settings whose flops and traffic the mesh's cost model weighs.
+  """
+
+  whole: Callable[[jax.Array], jax.Array]
+  column_parts: Optional[Callable[..., jax.Array]]
+  priced: NewtonSchulz
+
+  @classmethod
+  def of(cls, ns: NewtonSchulz) -> Kernel:
+    """The built-in iteration with `ns`'s settings, or `ns.fn` on whole matrices only."""
+    if ns.fn is not None:
+      return cls(ns.fn, None, CUSTOM_FN_PRICE)
+    # The iteration imports these settings: bound here, when a kernel is built.
+    from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
+    return cls(functools.partial(newton_schulz, ns=ns),
+               functools.partial(newton_schulz_column_parts, ns=ns), ns)
+
+  def around(self, wrap: Callable[[Callable], Callable]) -> Kernel:
+    """Whole stacks go through `wrap(whole)` instead (a selection around Newton–Schulz);
+    such stacks are never split."""
+    return Kernel(wrap(self.whole), None, self.priced)
