@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import optax.contrib
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
 from workload.machine import machine, machine_info  # noqa: F401  (re-exported)
@@ -385,3 +387,60 @@ def ratio_table(times: dict[str, list[float]], reference: str, unit: float = 1e3
                 f"{med / ref_med:.2f}× | {len(ts)} |" +
                 "".join(f" {col.get(name, '')} |" for col in extra.values()))
   return "\n".join(rows)
+
+# The layouts users train in, on 8 simulated devices: FSDP, ZeRO-1, Megatron-style tensor
+# parallelism alone and with FSDP, data × fsdp × tensor, and MoE experts on an expert axis
+# with FSDP (EP). Measured by benchmarks/distributed.py, tested by tests/test_param_layout.py.
+LAYOUTS = ("fsdp", "zero1", "tp", "fsdp_tp", "3d", "ep")
+# Megatron-style tensor parallelism: column-parallel kernels split their outputs over the
+# model axis, row-parallel ones (the projections back to the residual) their inputs.
+COLUMN_PARALLEL = ("qkv", "c_attn", "/fc/", "c_fc")
+
+
+def layout_mesh(kind: str, types=AxisType.Auto) -> Mesh:
+  """The mesh of layout `kind` (`LAYOUTS`) on the first devices."""
+  shape, names = {"fsdp": ((8,), ("data",)), "zero1": ((8,), ("data",)),
+                  "tp": ((4, 2), ("data", "model")), "fsdp_tp": ((4, 2), ("data", "model")),
+                  "3d": ((2, 2, 2), ("data", "fsdp", "tensor")),
+                  "ep": ((2, 4), ("data", "expert"))}[kind]
+  return jax.make_mesh(shape, names, axis_types=(types,) * len(shape),
+                       devices=jax.devices()[:int(np.prod(shape))])
+
+
+def layout_data_axis(kind: str):
+  """The state's data-parallel axes in layout `kind`."""
+  return ("data", "fsdp") if kind == "3d" else "data"
+
+
+def _megatron(path: str, ndim: int, model: str, fsdp) -> P:
+  """A 2-D kernel's spec: `model` on its outputs (column-parallel) or inputs (row-
+  parallel, and the vocabulary of the embedding), `fsdp` (or None) on the other axis."""
+  if ndim != 2:
+    return P()
+  if any(name in f"/{path}/" for name in COLUMN_PARALLEL):
+    return P(fsdp, model)
+  return P(model, fsdp)
+
+
+def layout_specs(kind: str, params: Any, mesh: Mesh) -> Any:
+  """The PartitionSpec of every parameter in layout `kind`."""
+  def spec(path, x):
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    if kind == "fsdp":
+      return mo.fsdp_shardings({"x": x}, mesh)["x"].spec
+    if kind == "zero1":
+      return P()
+    if kind in ("tp", "fsdp_tp"):
+      return _megatron(name, x.ndim, "model", "data" if kind == "fsdp_tp" else None)
+    if kind == "3d":
+      return _megatron(name, x.ndim, "tensor", "fsdp")
+    # EP: each expert whole on the device of its (expert, data) pair; the rest FSDP.
+    if "experts" in name:
+      return P(("expert", "data"))
+    return mo.fsdp_shardings({"x": x}, mesh)["x"].spec
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def layout_shardings(kind: str, params: Any, mesh: Mesh) -> Any:
+  """The params' shardings in layout `kind`: what a trainer passes to `jax.jit`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), layout_specs(kind, params, mesh))

@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from muon_optax._direction import Chain, Component, Shared, momentum_of
 from muon_optax._newton_schulz.iteration import newton_schulz
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
 from muon_optax._orthogonalize import grouped_solver, orthogonalize
@@ -26,11 +27,11 @@ from muon_optax._placement.shardings import (
 )
 from muon_optax._routing.matrix_leaves import MatrixLeaves, from_wide, to_wide
 from muon_optax._routing.matrix_view import MatrixView
-from muon_optax._routing.value import as_routing
+from muon_optax._routing.value import RoutingLike, as_routing
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockPeriodic:
+class BlockPeriodic(Component):
   """MuonBP's schedule as one value, as `scale_by_muon(blocks=...)` takes it.
 
   Attributes:
@@ -50,6 +51,11 @@ class BlockPeriodic:
   period: int = 4
   devices: Optional[int] = None
   block_scale: float = 1.0
+  stage: ClassVar[str] = "orthogonal"  # Muon's momentum, orthogonalized by blocks
+
+  def extend(self, chain: Chain, shared: Shared) -> Chain:
+    return (*chain, momentum_of(shared),
+            orthogonalize_blocks(self, shared.ns, routing=shared.routing, mesh=shared.mesh))
 
   def __post_init__(self):
     for name in ("period", "devices"):
@@ -139,7 +145,7 @@ def orthogonalize_blocks(
     blocks: BlockPeriodic = DEFAULT_BLOCKS,
     ns: NS = DEFAULT_NS,
     *,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformation:
   """MuonBP's orthogonalization: every `blocks.period`-th step (the first included) as

@@ -13,7 +13,7 @@ import optax
 from jax.typing import ArrayLike
 
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
-from muon_optax._routing.value import as_routing
+from muon_optax._routing.value import RoutingLike, as_routing
 from muon_optax._util import paths, validate
 from muon_optax._util.types import ScalarOrSchedule
 
@@ -39,7 +39,7 @@ def _refuse_zero_norms(path: str, radius: ArrayLike, eps: ArrayLike) -> None:
 
 
 def hyperball(learning_rate: ScalarOrSchedule = 0.01, *, eps: ArrayLike = 1e-10,
-              routing: Any = None) -> optax.GradientTransformation:
+              routing: RoutingLike = None) -> optax.GradientTransformation:
   """The step of a direction U on the sphere of each matrix's initial norm r:
 
       W' = r · (W − lr·r·U/‖U‖_F) / ‖W − lr·r·U/‖U‖_F‖_F

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, Kernel, as_newton_schulz
 from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE, MeshLayout, as_mesh_layout
-from muon_optax._placement.shardings import data_spec, explicit_spec, stack_spec
+from muon_optax._placement.shardings import explicit_spec, stack_spec
 from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, from_wide, to_wide
 from muon_optax._routing.matrix_view import ViewFn
 from muon_optax._routing.value import as_routing
@@ -27,7 +27,8 @@ from muon_optax._sharded_ns import (  # the scope's name is public: collectives 
 from muon_optax._util.order import after
 
 # Orthogonalizes the wide (count, rows, cols) stacks of a list of leaves, returning the
-# results in order; `likes` are the params' leaves, whose layout the results should take.
+# results in order; `likes` are the params' leaves, whose layout the results should take,
+# and `paths=` the leaves' paths, by which a `MeshLayout` states the params' layouts.
 # On a mesh, `specs=` (keyword) says where the stacks lie instead, and the results go there.
 Solver = Callable[..., list[jax.Array]]
 
@@ -39,7 +40,7 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> S
   elements, and the runs go one after another, each once the last one's result is
   computed (`after`), so that one run's Newton–Schulz temporaries are live at a time."""
 
-  def solve(wides, leaves=None, likes=None, specs=None):
+  def solve(wides, leaves=None, likes=None, specs=None, paths=None):
     stacks = [w.stack for w in wides]
     groups = {}
     for i, s in enumerate(stacks):
@@ -68,29 +69,40 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> S
 
 def mesh_solver(kernel: Kernel, layout: MeshLayout) -> Solver:
   """Stacks dealt over the mesh (`sharded_solver`), told where they lie: as the leaves'
-  types say on an Explicit mesh, else as `state_shardings` lays the state out; results
-  go where the params are (types), or as `layout.params` says."""
+  types say on an Explicit mesh, else as `state_shardings` lays the state out beside the
+  params' layout (`MeshLayout.param_spec`: stated, seen at init, or guessed); results go
+  where the params are (types, else that layout)."""
   solve_stacks = sharded_solver(kernel, layout)
 
-  def spec_of(leaf, wide: WideStack) -> P:
-    spec = explicit_spec(leaf)
-    if spec is None:
-      spec = data_spec(tuple(leaf.shape), layout.mesh, layout.data_axis)
+  def stack_of(spec: P, leaf, wide: WideStack) -> P:
     view = wide.view.normalize(leaf.ndim)
     if view.blocks > 1:  # the fan-out cut into blocks joins the count: XLA lays it out
       return P()
     return stack_spec(spec, (view.batch, view.fan_in, view.fan_out), wide.transposed)
 
-  def solve(wides, leaves, likes=None, specs=None):
+  def param_spec(leaf, like, path) -> Optional[P]:
+    """The parameter's layout, or None where only the state's is known (an Explicit mesh
+    told nothing else, or a leaf without a path): the results then stay as the state lies."""
+    if path is None:
+      return P() if layout.params == "replicated" else None
+    if layout.explicit:
+      if like is not None:
+        return explicit_spec(like)
+      return layout.param_spec(path, tuple(leaf.shape)) if layout.stated else None
+    return layout.param_spec(path, tuple(leaf.shape))
+
+  def solve(wides, leaves, likes=None, specs=None, paths=None):
     if specs is not None:
       return solve_stacks([w.stack for w in wides], specs, specs)
-    specs = [spec_of(leaf, w) for leaf, w in zip(leaves, wides)]
-    if layout.explicit and likes is not None:
-      out = [spec_of(like, w) for like, w in zip(likes, wides)]
-      out = None if all(not any(s) for s in out) else out
-    else:
-      out = None if layout.gathers() else specs
-    return solve_stacks([w.stack for w in wides], specs, out)
+    likes, paths = likes or [None] * len(leaves), paths or [None] * len(leaves)
+    params = [param_spec(leaf, like, path) for leaf, like, path in zip(leaves, likes, paths)]
+    ins = [explicit_spec(leaf) or layout.state_spec(tuple(leaf.shape), p or P())
+           for leaf, p in zip(leaves, params)]
+    outs = [i if p is None else p for i, p in zip(ins, params)]
+    ins = [stack_of(s, leaf, w) for s, leaf, w in zip(ins, leaves, wides)]
+    outs = [stack_of(s, leaf, w) for s, leaf, w in zip(outs, leaves, wides)]
+    return solve_stacks([w.stack for w in wides], ins,
+                        None if all(not any(s) for s in outs) else outs)
 
   return solve
 
@@ -116,7 +128,7 @@ def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any 
   leaves = MatrixLeaves.of(updates, views)
   xs = leaves.arrays()
   wides = [to_wide(x, view) for x, view in zip(xs, leaves.views)]
-  results = solver(wides, xs, leaves.pick_like(like))
+  results = solver(wides, xs, leaves.pick_like(like), paths=leaves.paths)
   return leaves.put([from_wide(r, w, x.shape) for r, w, x in zip(results, wides, xs)])
 
 
@@ -152,14 +164,19 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
     ...   return u @ vt
     >>> u, _ = mo.orthogonalize(mo.NewtonSchulz(fn=polar)).update(g, optax.EmptyState())
   """
-  views = as_routing(routing).view
-  solver = solver_for(ns, mesh)
+  views, layout = as_routing(routing).view, as_mesh_layout(mesh)
+  solver = solver_for(ns, layout)
+
+  def init_fn(params):
+    if layout is not None:  # concrete params show their layout (MeshLayout.at_init)
+      layout.at_init(params)
+    return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
     like = params if mesh is not None else None  # on a mesh, results laid out like params
     return orthogonalize_leaves(updates, views, solver, like), state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def mesh_plan(params: Any, devices: int, *, routing: Any = None, ns: NS = DEFAULT_NS,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple, Optional, Union
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
+from muon_optax._direction import Chain, Component, Shared
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import solver_for
 from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
@@ -30,7 +32,7 @@ from muon_optax._placement.shardings import (
 )
 from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, unwide, wide_stack
 from muon_optax._routing.matrix_view import MatrixView
-from muon_optax._routing.value import as_routing
+from muon_optax._routing.value import RoutingLike, as_routing
 from muon_optax._util import paths, validate
 
 SCOPES = ("matrix", "shard")
@@ -39,7 +41,7 @@ _STACK_VIEW = MatrixView((0,), (1,), (2,))
 
 
 @dataclasses.dataclass(frozen=True)
-class RowSelection:
+class RowSelection(Component):
   """Dion2's selection as one value, as `scale_by_muon(select=...)` takes it.
 
   Attributes:
@@ -61,6 +63,24 @@ class RowSelection:
   fraction: float = 0.25
   scope: str = "matrix"
   devices: Optional[int] = None
+  # An error-feedback buffer (decay: the direction's beta) in place of the momentum,
+  # and its selected neurons orthogonalized.
+  stage: ClassVar[str] = "orthogonal"
+
+  @property
+  def gathers(self) -> bool:
+    return self.scope == "shard"  # chosen per shard, the updates come back as the state lies
+
+  def check(self, chosen: Mapping[str, Component], shared: Shared) -> None:
+    if shared.nesterov:
+      raise ValueError("row selection (select=) keeps an error-feedback buffer, not a "
+                       "momentum: it has no Nesterov look-ahead and no adaptive scale; pass "
+                       "nesterov=False and a shape scale.")
+
+  def extend(self, chain: Chain, shared: Shared) -> Chain:
+    return (*chain, select_rows(self, ef_decay=shared.beta, ns=shared.ns,
+                                mu_dtype=shared.mu_dtype, routing=shared.routing,
+                                mesh=shared.mesh))
 
   def __post_init__(self):
     if self.scope not in SCOPES:
@@ -109,7 +129,7 @@ def select_rows(
     ef_decay: ArrayLike = 0.95,
     ns: NS = DEFAULT_NS,
     mu_dtype: Optional[Any] = None,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformation:
   """Dion2's direction: an error-feedback buffer, and the orthogonalization of its
@@ -159,11 +179,11 @@ def select_rows(
   if select.scope == "matrix":
     # The selection runs where the whole matrix is: on the device Newton–Schulz gives it
     # to, inside the exchange, so a mesh moves what Muon's would and nothing more.
-    solver = solver_for(ns, mesh, around=lambda ns_fn: functools.partial(
+    solver = solver_for(ns, layout, around=lambda ns_fn: functools.partial(
         _select_and_orthogonalize, select=select, ns_fn=ns_fn))
     groups = None
   else:  # each shard's neurons chosen where they lie: only they reach the exchange
-    solver = solver_for(ns, mesh)
+    solver = solver_for(ns, layout)
     shards = None if layout is None else math.prod(layout.mesh.shape[a] for a in layout.data_axis)
     groups = select.devices or shards
     if groups is None:
@@ -173,6 +193,8 @@ def select_rows(
     choice_layout = layout if groups == shards and shards > 1 else None
 
   def init_fn(params):
+    if layout is not None:  # concrete params show their layout (MeshLayout.at_init)
+      layout.at_init(params)
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
 
   def update_fn(updates, state, params=None):
@@ -185,7 +207,7 @@ def select_rows(
     if groups is None:
       # (count, fan_in, fan_out) stacks, not turned wide: the selection needs the fan-out.
       results = solver([WideStack(m, view, False) for m, view in zip(stacks, leaves.views)],
-                       buffers, leaves.pick_like(params))
+                       buffers, leaves.pick_like(params), paths=leaves.paths)
     else:
       # Groups where the devices split the leading fan-out axis (each holds whole neurons);
       # elsewhere one, whose selection needs only the norms gathered, not the matrix.

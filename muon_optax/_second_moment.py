@@ -4,17 +4,18 @@ element (AdaMuon), and the rescaling that restores the update's size after it.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from muon_optax._direction import Chain, Component, Shared
 from muon_optax._placement.shardings import explicit_spec, kept_spec, reshard_to
 from muon_optax._routing.matrix_leaves import MatrixLeaves
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
-from muon_optax._routing.value import as_routing
+from muon_optax._routing.value import RoutingLike, as_routing
 from muon_optax._util import paths, validate
 
 OVER = ("neurons", "elements")
@@ -35,7 +36,7 @@ def _statistic_shape(view: MatrixView, shape: tuple[int, ...], over: str) -> tup
 
 
 @dataclasses.dataclass(frozen=True)
-class SecondMoment:
+class SecondMoment(Component):
   """The settings of `scale_by_second_moment`, one value, as `scale_by_muon(normalize=...)`
   takes them: NorMuon is `SecondMoment("neurons", b2=0.95, eps=1e-10, rescale="norm")`,
   AdaMuon `SecondMoment("elements", b2=0.999, eps=1e-8, rescale="rms")`. Checked when
@@ -51,10 +52,18 @@ class SecondMoment:
   eps: ArrayLike = 1e-8
   rescale: str = "norm"
   selected_only: bool = False
+  stage: ClassVar[str] = "normalize"
 
-  def transform(self, routing: Any = None) -> optax.GradientTransformation:
+  @property
+  def gathers(self) -> bool:
+    return True  # a statistic of sharded state
+
+  def transform(self, routing: RoutingLike = None) -> optax.GradientTransformation:
     return scale_by_second_moment(self.over, b2=self.b2, eps=self.eps, rescale=self.rescale,
                                   selected_only=self.selected_only, routing=routing)
+
+  def extend(self, chain: Chain, shared: Shared) -> Chain:
+    return (*chain, self.transform(shared.routing))
 
 
 def scale_by_second_moment(
@@ -64,7 +73,7 @@ def scale_by_second_moment(
     eps: ArrayLike = 1e-8,
     rescale: str = "norm",
     selected_only: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
 ) -> optax.GradientTransformation:
   """Normalizes an orthogonalized update O by a running second moment, then rescales it.
 

@@ -323,6 +323,17 @@ def test_the_family_is_one_builder_with_component_values():
     mo.scale_by_muon(scale="adaptive", normalize=mo.SecondMoment())
 
 
+@pytest.mark.parametrize("make", [mo.muon, mo.dion2, mo.nordion2])
+def test_an_update_without_params_is_checked_against_the_state(make):
+  # Without params the gradients are checked against the state tree that mirrors them:
+  # Muon's momentum, or Dion2's buffer (Dion2 has no momentum), and a mismatch is named.
+  params = {"w": jnp.ones((8, 16)), "b": jnp.zeros(16)}
+  tx = make(0.02)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="'w'"):
+    tx.update({"w": jnp.ones((8, 8)), "b": params["b"]}, state)
+
+
 def test_ns_array_under_inject_hyperparams():
   params = {"w": {"kernel": jax.random.normal(jax.random.key(0), (4, 8))}}
   ns = np.tile(np.asarray(mo.PRESETS["jordan"][0][0]), (5, 1))

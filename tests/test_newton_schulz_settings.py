@@ -129,3 +129,22 @@ def test_a_kernel_carries_one_newton_schulz_whole():
   wrapped = kernel.around(lambda whole: lambda v: whole(v) * 3)
   assert wrapped.column_parts is None and wrapped.priced is ns
   np.testing.assert_array_equal(wrapped.whole(x), 3 * mo.newton_schulz(x, ns))
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(fp8_steps=4), r"fp8_steps must be a Python int from 0 to steps - 1 \(3\)"),
+    (dict(fp8_steps=-1), "fp8_steps must be"),
+    (dict(fp8_steps=1.0), "fp8_steps must be"),
+    (dict(fp8_steps=True), "fp8_steps must be"),
+    (dict(fp8_steps=1, gram=True), "fp8_steps run in the standard iteration"),
+    (dict(fp8_steps=1, fn=lambda x: x), r"so \['fp8_steps'\] would be ignored"),
+])
+def test_float8_steps_are_checked_when_built(settings, match):
+  with pytest.raises(ValueError, match=match):
+    mo.NewtonSchulz(**settings)
+
+
+def test_auto_operands_are_float16_on_gpu_bfloat16_on_tpu():
+  assert NS().on("gpu").compute_dtype == jnp.float16
+  assert NS().on("tpu").compute_dtype == jnp.bfloat16
+  assert NS().on("cpu").compute_dtype == jnp.float32

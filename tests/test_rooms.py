@@ -64,7 +64,7 @@ def test_only_the_orthogonalization_enters_the_engine_and_by_its_one_door():
 
 
 def test_every_module_sits_in_a_known_room_or_on_top():
-  top = {"__init__", "_alias", "_momentum", "_orthogonalize", "_qk_clip", "_scaling",
+  top = {"__init__", "_alias", "_direction", "_momentum", "_orthogonalize", "_qk_clip", "_scaling",
          "_second_moment", "_row_selection", "_block_periodic", "_weight_decay", "_hyperball",
          "nnx", "checkpoint"}
   rooms = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.glob("*")

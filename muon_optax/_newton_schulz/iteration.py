@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
+from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
 from muon_optax._newton_schulz.variant import newton_schulz_plan
 
 
@@ -61,6 +62,26 @@ class Matmul(NamedTuple):
     return x.astype(self.operands)
 
 
+class Float8Matmul(NamedTuple):
+  """a @ b with float8 (e4m3) operands, each matrix first multiplied by the power of two
+  that puts its largest entry in [128, 256) (e4m3 holds up to 448, with 3 mantissa bits
+  wherever the entry lands), the product divided back, exactly, in `accumulate`. The
+  operands travel unrounded (`operand`): each product scales what it reads."""
+
+  accumulate: Any
+  precision: Any = None
+
+  def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    scale_a, scale_b = 256 / _peak(a), 256 / _peak(b)
+    product = jnp.matmul((a * scale_a).astype(jnp.float8_e4m3fn),
+                         (b * scale_b).astype(jnp.float8_e4m3fn), precision=self.precision,
+                         preferred_element_type=self.accumulate)
+    return product / (scale_a * scale_b)
+
+  def operand(self, x: jax.Array) -> jax.Array:
+    return x
+
+
 class RowBlocks(NamedTuple):
   """How the m×m matrices of the iteration are held when X is split by columns over
   some devices: each keeps one block of their rows, and gathers a whole matrix only
@@ -104,7 +125,7 @@ class RowBlocks(NamedTuple):
       return self.gram(x, mm, peak)
     if peak is not None:
       raise ValueError("whole rows take X already divided by its peak, not the peak")
-    return self.sum_rows(mm(x, _t(x)))
+    return self.sum_rows(symmetric_gram(x, mm))
 
   def product(self, a, b, mm: Matmul):
     """This part's rows of A B, from this part's rows of A and of B."""
@@ -117,8 +138,10 @@ def _identity(x):
 
 def whole_rows(reduce: Reduce = _whole) -> RowBlocks:
   """Every part holds all rows: the m×m work is repeated on each part, and a Gram sum
-  is `reduce` over the parts."""
-  return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t)
+  is `reduce` over the parts. Every m×m product of the iteration is of two commuting
+  symmetric matrices, so it is computed as a symmetric one (`symmetric_product`)."""
+  return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t,
+                   times=symmetric_product)
 
 
 def _aol(x: jax.Array, r: jax.Array, peak: Optional[jax.Array],
@@ -174,28 +197,34 @@ def _polynomial(r, b, c, mm, blocks: RowBlocks, eye):
   return _kept(b * r + c * blocks.product(r, r, mm))
 
 
-def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks, eye):
+def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks, eye, fp8_steps: int = 0):
   """X ← a X + (b A + c A²) X with A = X Xᵀ; three matmuls per step on X itself.
   `r` is this part's rows of A for the first step when the preconditioner formed it;
-  A and the polynomial are this part's rows (`blocks`), gathered whole where X needs."""
+  A and the polynomial are this part's rows (`blocks`), gathered whole where X needs.
+  The first `fp8_steps` steps read float8 operands (`Float8Matmul`), and keep a X and
+  b A exact in float32 rather than rounding a I + M to 8 bits."""
+  fp8 = Float8Matmul(mm.accumulate, mm.precision)
   for i, (a, b, c) in enumerate(coeffs):  # unrolled: steps is small and static
-    gram = r if i == 0 and r is not None else blocks.gram_rows(x, mm)
-    x = _apply(a, _polynomial(gram, b, c, mm, blocks, eye), x, mm, blocks, eye)
+    step_mm, step_eye = (fp8, None) if i < fp8_steps else (mm, eye)
+    gram = r if i == 0 and r is not None else blocks.gram_rows(x, step_mm)
+    x = _apply(a, _polynomial(gram, b, c, step_mm, blocks, step_eye), x, step_mm, blocks,
+               step_eye)
   return x
 
 
-def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks, fold: bool):
+def _gram_iterate(x, r, coeffs, mm, mm_gram, parts, blocks: RowBlocks, fold: bool):
   """The same polynomial, carried in Gram space: X_k = Q_k X_0.
 
   With R_k = X_k X_kᵀ and P_k = a I + b R_k + c R_k², one step is X_{k+1} = P_k X_k,
   so Q_{k+1} = P_k Q_k and R_{k+1} = P_k R_k P_k = P_k (P_k R_k) (P_k and R_k commute).
   Only R_0 = X_0 X_0ᵀ and the final Q X touch the m×n matrix. At the start of each of
   the (start, stop) `parts` but the first, the state is rebuilt (X ← Q X, R ← X Xᵀ,
-  Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products use float32
-  operands whatever the compute dtype. With 16-bit operands Q is kept as α I + D, so
-  that α X is applied exactly, in float32; else (`fold`) Q itself, each state matrix
-  then one product's output (see `_polynomial`, `_apply`). R, Q and every product are
-  this part's rows (`blocks`).
+  Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products (`mm_gram`)
+  read float16 operands where those of X are float16, float32 where they are bfloat16,
+  and accumulate in float32, as the state is kept. With 16-bit operands Q is kept as
+  α I + D, so that α X is applied exactly, in float32; else (`fold`) Q itself, each state
+  matrix then one product's output (see `_polynomial`, `_apply`). R, Q and every product
+  are this part's rows (`blocks`).
   """
   eye = blocks.rows(jnp.eye(x.shape[-2], dtype=jnp.float32))
   folded = eye if fold else None
@@ -209,15 +238,15 @@ def _gram_iterate(x, r, coeffs, mm, mm_f32, parts, blocks: RowBlocks, fold: bool
     for i, (a, b, c) in enumerate(segment):
       if i:  # keep R symmetric as rounding drifts it
         r = 0.5 * (r + blocks.transposed(r))
-      z = _polynomial(r, b, c, mm_f32, blocks, folded)
+      z = _polynomial(r, b, c, mm_gram, blocks, folded)
       p = a * eye + z
       if fold:  # Q = D: P_0, then P_k Q
-        alpha, d = 0.0, p if i == 0 else blocks.product(p, d, mm_f32)
+        alpha, d = 0.0, p if i == 0 else blocks.product(p, d, mm_gram)
       else:
         alpha, d = (a, z) if i == 0 else (a * alpha, _kept(a * d + alpha * z
-                                                + blocks.product(z, d, mm_f32)))
+                                                + blocks.product(z, d, mm_gram)))
       if i + 1 < len(segment):
-        r = blocks.product(p, blocks.product(p, r, mm_f32), mm_f32)
+        r = blocks.product(p, blocks.product(p, r, mm_gram), mm_gram)
   return _apply(alpha, d, x, mm, blocks, folded)
 
 
@@ -242,7 +271,7 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
 
   Args:
     x: array of shape (..., m, n); leading axes are a batch.
-    ns: a `NewtonSchulz`, or a preset name ("turbo", "jordan", "polar_express").
+    ns: a `NewtonSchulz`, or a preset name (see `PRESETS`).
 
   Returns:
     Array of x's shape and dtype. Scale-invariant (NS(k·G) = NS(G)); NS(0) = 0.
@@ -314,9 +343,12 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
   # With operands of 32 bits or more, a X + M X is applied as one product (`_apply`).
   fold = cdt.itemsize >= 4
   if plan.variant == "gram":
-    out = _gram_iterate(out, r, coeffs, mm, Matmul(acc, acc, precision), plan.segments, blocks,
-                        fold)
+    # The m×m products read operands of at least float16's 10 mantissa bits: bfloat16's
+    # 7 put the Gram-space state out of the band (benchmarks/results/newton_schulz_gram.txt).
+    wide = cdt if jnp.finfo(cdt).nmant >= 10 else acc
+    out = _gram_iterate(out, r, coeffs, mm, Matmul(wide, acc, precision), plan.segments,
+                        blocks, fold)
   else:
     eye = blocks.rows(jnp.eye(shape[0], dtype=acc)) if fold else None
-    out = _standard_iterate(out, r, coeffs, mm, blocks, eye)
+    out = _standard_iterate(out, r, coeffs, mm, blocks, eye, plan.fp8_steps)
   return out.astype(x.dtype)

@@ -143,9 +143,17 @@ class NewtonSchulz:
     gram: True for the Gram-space iteration, False for the standard one, None to choose
       per matrix shape and dtype (see `newton_schulz`).
     precondition: "frobenius", "aol", or None for the preset's own (a table: frobenius).
-    compute_dtype: matmul operand dtype, or "auto": bfloat16 on GPU and TPU, float32 on
-      CPU. Products accumulate in float32.
+    compute_dtype: matmul operand dtype, or "auto": float16 on GPU, bfloat16 on TPU,
+      float32 on CPU (each platform's fastest with float32 accumulation; float16 has 3
+      more bits than bfloat16, which keeps the Gram-space iteration as accurate as
+      float32: benchmarks/results/newton_schulz_precision.txt). Products accumulate in
+      float32.
     precision: matmul precision, or "auto": HIGHEST on CPU, DEFAULT on accelerators.
+    fp8_steps: how many of the first steps read their operands as float8 (e4m3), each
+      matrix scaled by a power of two so that its largest entry is 128 to 256 (a Python
+      int, 0 by default; fewer than the steps). They run the standard iteration: Gram
+      space cannot hold its state in 8 bits. An option, not a default: see
+      benchmarks/results/newton_schulz_precision.txt for what it costs in accuracy.
     fn: any function from a (count, m, n) stack of wide matrices (m ≤ n) to an array of
       the same shape (a Pallas kernel, another polynomial); it replaces the built-in
       iteration, so the other settings must keep their defaults.
@@ -162,6 +170,7 @@ class NewtonSchulz:
   precondition: Optional[str] = None
   compute_dtype: Any = "auto"
   precision: Any = "auto"
+  fp8_steps: int = 0
   fn: Optional[Callable[[jax.Array], jax.Array]] = None
 
   def __post_init__(self):
@@ -184,6 +193,15 @@ class NewtonSchulz:
     if self.precondition not in (None, *PRECONDITIONS):
       raise ValueError(f"NewtonSchulz precondition must be one of {PRECONDITIONS} or None, "
                        f"got {self.precondition!r}.")
+    if isinstance(self.fp8_steps, bool) or not isinstance(self.fp8_steps, (int, np.integer)) \
+        or not 0 <= self.fp8_steps < self.num_steps():
+      raise ValueError(f"NewtonSchulz fp8_steps must be a Python int from 0 to steps - 1 "
+                       f"({self.num_steps() - 1}): the last step reads wider operands; got "
+                       f"{self.fp8_steps!r}.")
+    set_("fp8_steps", int(self.fp8_steps))
+    if self.fp8_steps and self.gram:
+      raise ValueError("NewtonSchulz fp8_steps run in the standard iteration (Gram space "
+                       "cannot hold its state in 8 bits); pass gram=False or None with them.")
     set_("compute_dtype", _compute_dtype(self.compute_dtype))
     set_("precision", _precision(self.precision))
     if self.fn is not None:
@@ -195,6 +213,7 @@ class NewtonSchulz:
           ("steps", self.steps is not None), ("gram", self.gram is not None),
           ("precondition", self.precondition is not None),
           ("compute_dtype", not isinstance(self.compute_dtype, str)),
+          ("fp8_steps", self.fp8_steps != 0),
           ("precision", not isinstance(self.precision, str))) if value]
       if given:
         raise ValueError(f"NewtonSchulz fn replaces the built-in iteration, so {given} would "
@@ -230,7 +249,7 @@ class NewtonSchulz:
   def dtype(self, backend: Optional[str] = None) -> jnp.dtype:
     """The matmul operand dtype on `backend` (default: jax's)."""
     if isinstance(self.compute_dtype, str):
-      return jnp.dtype(jnp.float32 if _backend(backend) == "cpu" else jnp.bfloat16)
+      return jnp.dtype(AUTO_DTYPES.get(_backend(backend), jnp.bfloat16))
     return self.compute_dtype
 
   def on(self, backend: str) -> NewtonSchulz:
@@ -247,6 +266,11 @@ class NewtonSchulz:
       return jax.lax.Precision.HIGHEST if cpu else jax.lax.Precision.DEFAULT
     return self.precision
 
+
+# "auto" operands per platform: float16 where it is native (GPU tensor cores run it as
+# fast as bfloat16); bfloat16 on TPU (float16 is not native there) and anywhere else.
+AUTO_DTYPES = {"cpu": jnp.float32, "gpu": jnp.float16, "cuda": jnp.float16,
+               "rocm": jnp.float16, "tpu": jnp.bfloat16}
 
 NS = Union[str, NewtonSchulz]
 DEFAULT_NS = NewtonSchulz()

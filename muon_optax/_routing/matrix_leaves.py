@@ -54,11 +54,12 @@ class MatrixLeaves:
   leaves: tuple[Any, ...]  # every leaf of the tree, placeholders included
   live: tuple[int, ...]  # positions of the nonempty matrix leaves
   views: tuple[MatrixView, ...]  # their views, normalized to their ranks
+  paths: tuple[str, ...]  # their '/'-joined paths
 
   @classmethod
   def of(cls, tree: Any, views: ViewFn) -> MatrixLeaves:
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=paths.is_masked)
-    live, live_views = [], []
+    live, live_views, live_paths = [], [], []
     for i, (path, leaf) in enumerate(flat):
       if paths.is_masked(leaf):
         continue
@@ -66,7 +67,9 @@ class MatrixLeaves:
       if leaf.size:
         live.append(i)
         live_views.append(view)
-    return cls(treedef, tuple(x for _, x in flat), tuple(live), tuple(live_views))
+        live_paths.append(paths.path_str(path))
+    return cls(treedef, tuple(x for _, x in flat), tuple(live), tuple(live_views),
+               tuple(live_paths))
 
   def arrays(self) -> list[jax.Array]:
     """The live leaves."""
