@@ -44,6 +44,7 @@ from benchmarks.common import (
   header,
   kernels,
   min_median,
+  newton_schulz_flops,
   optax_orthogonalize,
   optimizer_arms,
   parse_shapes,
@@ -54,7 +55,6 @@ from benchmarks.common import (
   time_interleaved,
   time_steps,
 )
-from muon_optax._newton_schulz.variant import newton_schulz_flops, newton_schulz_plan
 
 FULL_SHAPES = "768x768,768x2304,768x3072,3072x768,12x768x768"
 QUICK_SHAPES = "192x192,192x576,192x768,768x192,12x192x192"
@@ -132,7 +132,7 @@ def ns_table(shapes, peaks: dict[str, float], reps: int) -> None:
 def full_update(args, layers: int, reps: int) -> dict[str, list[float]]:
   params = gpt2_tree(layers, jax.random.key(0), d=args.d, vocab=args.vocab)
   grads = random_like(params, jax.random.key(1), 1e-3)
-  plans = {x.shape: newton_schulz_plan(x.shape) for x in kernels(params).values()}
+  plans = {x.shape: mo.newton_schulz_plan(x.shape) for x in kernels(params).values()}
   print(f"\nGPT-2-small tree, {layers} layers (width {args.d}); the defaults run, per kernel "
         "shape:\n" + "\n".join(f"  {s[0]}×{s[1]}: {p}" for s, p in plans.items()))
   with LoadWatch() as load:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import optax.contrib
-from optax.contrib import _muon as _optax_muon
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import muon_optax as mo
 from workload.machine import machine, machine_info  # noqa: F401  (re-exported)
@@ -178,12 +179,20 @@ def optimizer_arms(params: Any, learning_rate: float = 0.02, adam_learning_rate:
 
 
 def optax_orthogonalize(x: jax.Array, coeffs: Any, steps: int = 5) -> jax.Array:
-  """optax.contrib.muon's Newton–Schulz (private in optax 0.2.8) on x (..., m, n); a
+  """optax.contrib.muon's Newton–Schulz on x (..., m, n), through its public
+  `scale_by_muon` with no momentum (beta 0: the momentum is the gradient, exactly); a
   leading batch axis is a stack of matrices."""
   dims = None if x.ndim == 2 else optax.contrib.MuonDimensionNumbers(
       reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
-  return _optax_muon.orthogonalize_via_newton_schulz(
-      x, jnp.asarray(coeffs), steps, dimension_numbers=dims)
+  tx = optax.contrib.scale_by_muon(jnp.asarray(coeffs), steps, beta=0.0, nesterov=False,
+                                   weight_dimension_numbers=dims)
+  return tx.update(x, tx.init(x))[0]
+
+
+def newton_schulz_flops(m: int, n: int, ns: mo.NewtonSchulz) -> int:
+  """Matmul flops of `mo.newton_schulz` with settings `ns` on one m×n matrix, as
+  `mo.newton_schulz_plan` counts them."""
+  return mo.newton_schulz_plan((m, n), ns).flops
 
 
 def parse_shapes(spec: str, scale: float = 1.0) -> list[tuple[int, ...]]:
@@ -378,3 +387,60 @@ def ratio_table(times: dict[str, list[float]], reference: str, unit: float = 1e3
                 f"{med / ref_med:.2f}× | {len(ts)} |" +
                 "".join(f" {col.get(name, '')} |" for col in extra.values()))
   return "\n".join(rows)
+
+# The layouts users train in, on 8 simulated devices: FSDP, ZeRO-1, Megatron-style tensor
+# parallelism alone and with FSDP, data × fsdp × tensor, and MoE experts on an expert axis
+# with FSDP (EP). Measured by benchmarks/distributed.py, tested by tests/test_param_layout.py.
+LAYOUTS = ("fsdp", "zero1", "tp", "fsdp_tp", "3d", "ep")
+# Megatron-style tensor parallelism: column-parallel kernels split their outputs over the
+# model axis, row-parallel ones (the projections back to the residual) their inputs.
+COLUMN_PARALLEL = ("qkv", "c_attn", "/fc/", "c_fc")
+
+
+def layout_mesh(kind: str, types=AxisType.Auto) -> Mesh:
+  """The mesh of layout `kind` (`LAYOUTS`) on the first devices."""
+  shape, names = {"fsdp": ((8,), ("data",)), "zero1": ((8,), ("data",)),
+                  "tp": ((4, 2), ("data", "model")), "fsdp_tp": ((4, 2), ("data", "model")),
+                  "3d": ((2, 2, 2), ("data", "fsdp", "tensor")),
+                  "ep": ((2, 4), ("data", "expert"))}[kind]
+  return jax.make_mesh(shape, names, axis_types=(types,) * len(shape),
+                       devices=jax.devices()[:int(np.prod(shape))])
+
+
+def layout_data_axis(kind: str):
+  """The state's data-parallel axes in layout `kind`."""
+  return ("data", "fsdp") if kind == "3d" else "data"
+
+
+def _megatron(path: str, ndim: int, model: str, fsdp) -> P:
+  """A 2-D kernel's spec: `model` on its outputs (column-parallel) or inputs (row-
+  parallel, and the vocabulary of the embedding), `fsdp` (or None) on the other axis."""
+  if ndim != 2:
+    return P()
+  if any(name in f"/{path}/" for name in COLUMN_PARALLEL):
+    return P(fsdp, model)
+  return P(model, fsdp)
+
+
+def layout_specs(kind: str, params: Any, mesh: Mesh) -> Any:
+  """The PartitionSpec of every parameter in layout `kind`."""
+  def spec(path, x):
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    if kind == "fsdp":
+      return mo.fsdp_shardings({"x": x}, mesh)["x"].spec
+    if kind == "zero1":
+      return P()
+    if kind in ("tp", "fsdp_tp"):
+      return _megatron(name, x.ndim, "model", "data" if kind == "fsdp_tp" else None)
+    if kind == "3d":
+      return _megatron(name, x.ndim, "tensor", "fsdp")
+    # EP: each expert whole on the device of its (expert, data) pair; the rest FSDP.
+    if "experts" in name:
+      return P(("expert", "data"))
+    return mo.fsdp_shardings({"x": x}, mesh)["x"].spec
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def layout_shardings(kind: str, params: Any, mesh: Mesh) -> Any:
+  """The params' shardings in layout `kind`: what a trainer passes to `jax.jit`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), layout_specs(kind, params, mesh))

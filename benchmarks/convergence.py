@@ -96,7 +96,7 @@ class Runner:
   def _on_disk(self, cfg: TrainConfig) -> Optional[dict[str, Any]]:
     """The saved run of `cfg`: a field a saved config lacks (one added since) counts as
     its default, which reproduces the runs made before it existed."""
-    want, defaults = dataclasses.asdict(cfg), dataclasses.asdict(TrainConfig())
+    want, defaults = dataclasses.asdict(cfg.resolved()), dataclasses.asdict(TrainConfig())
     for record in self.saved:
       if all(record["config"].get(k, defaults[k]) == v for k, v in want.items()):
         return record

@@ -8,6 +8,13 @@ costs, where the default weighs it at a TPU v5p's flops per byte.
     python -m benchmarks.distributed [--layers 12] [--devices 1 2 4 8] [--biases]
     python -m benchmarks.distributed --layers 1 --d 64 --vocab 256 --devices 1 2  # smallest
 
+A second table compiles Muon's update on 8 devices in the layouts users train in
+(`common.LAYOUTS`: FSDP, ZeRO-1, Megatron-style TP alone and with FSDP, data × fsdp ×
+tensor, MoE experts on an expert axis with FSDP), on Auto and Explicit meshes, told the
+layout three ways: stated (`MeshLayout(mesh, params=param_shardings)`), stated with one
+exchange, and a bare `mesh=` (on an Auto mesh a guess, which warns; on an Explicit one
+the types say). `--layouts` picks some of them, `--layouts` alone none.
+
 Everything here is read from compiled programs (XLA cost analysis, collectives in the
 HLO text) and array shards, not timed: the figures are deterministic. Collective
 bytes are those one device receives from the others (`benchmarks.hlo.collective_stats`); the
@@ -27,6 +34,7 @@ import argparse
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -36,11 +44,19 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax as mo  # noqa: E402
-from benchmarks.common import at_step, gpt2_tree, header  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+  LAYOUTS,
+  at_step,
+  gpt2_tree,
+  header,
+  layout_data_axis,
+  layout_mesh,
+  layout_shardings,
+)
 from benchmarks.hlo import collective_stats  # noqa: E402
 
 
@@ -67,8 +83,8 @@ def minimal_bytes(params, mesh, kind: str) -> float:
   return (n - 1) / n * muon / n + back
 
 
-def measure(tx, params, mesh):
-  shardings = mo.state_shardings(tx, params, mesh)
+def measure(tx, params, mesh, data_axis="data"):
+  shardings = mo.state_shardings(tx, params, mesh, data_axis)
   state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
                        jax.eval_shape(tx.init, params), shardings)
   out = (jax.tree.map(lambda p: p.sharding, params), shardings)
@@ -88,15 +104,44 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--layers", type=int, default=12)
   p.add_argument("--d", type=int, default=768, help="width")
   p.add_argument("--vocab", type=int, default=50304)
-  p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8],
-                 help=f"mesh sizes, at most {MAX_DEVICES}")
+  p.add_argument("--devices", type=int, nargs="*", default=[1, 2, 4, 8],
+                 help=f"mesh sizes, at most {MAX_DEVICES} (none: the layouts' table only)")
   p.add_argument("--biases", action="store_true", help="add GPT-2's biases and LayerNorms")
+  p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS,
+                 help="layouts of the second table (8 devices)")
   return p
+
+
+def layout_rows(params, kind: str):
+  """Muon's compiled update in layout `kind` on Auto and Explicit meshes, the layout told
+  three ways; one row each: collectives by kind, flops, and whether it warned."""
+  if kind == "ep":  # 8 experts, each whole on one device
+    d = params["wte"]["embedding"].shape[1]
+    params = {**params, "moe": {"experts": {"kernel": jax.ShapeDtypeStruct((8, d, 4 * d),
+                                                                           jax.numpy.float32)}}}
+  for types in (AxisType.Auto, AxisType.Explicit):
+    mesh = layout_mesh(kind, types)
+    shardings = layout_shardings(kind, params, mesh)
+    placed = jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
+                          params, shardings)
+    axis = layout_data_axis(kind)
+    forms = {"stated": mo.MeshLayout(mesh, params=shardings, data_axis=axis),
+             "stated, 1 exchange": mo.MeshLayout(mesh, params=shardings, data_axis=axis,
+                                                 exchanges=1),
+             "bare mesh=": mo.MeshLayout(mesh, data_axis=axis)}
+    for form, layout in forms.items():
+      tx = mo.muon(0.02, mesh=layout, adam=mo.AuxAdam(backend="optax"))
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = measure(tx, placed, mesh, axis)
+      kinds = ", ".join(f"{n} {op}" for op, (n, _) in r["detail"].items())
+      yield (f"{kind:<8} {types.name:<8} {form:<19} {r['collectives']:>11} "
+             f"{r['flops'] / 1e9:>12.1f} {'yes' if caught else 'no':>6}  {kinds}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
   args = parser().parse_args(argv)
-  if max(args.devices) > len(jax.devices()):
+  if max(args.devices, default=0) > len(jax.devices()):
     parser().error(f"--devices {max(args.devices)}: jax sees {len(jax.devices())} devices")
   params = gpt2_tree(args.layers, d=args.d, vocab=args.vocab, ctx=0, small_leaves=args.biases)
   print(header("benchmarks.distributed", argv))
@@ -106,9 +151,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   columns = (f"{'layout':<6} {'dev':>3} {'optimizer':<22} {'GFLOP/device':>12} {'vs 1/n':>7} "
              f"{'collectives':>11} {'coll. MB':>9} {'minimal MB':>10} {'× min':>6} "
              f"{'state MB/device':>15}")
-  print(columns + "\n" + "-" * len(columns))
+  if args.devices:
+    print(columns + "\n" + "-" * len(columns))
   single = {}
-  for kind in ("zero1", "fsdp"):
+  for kind in ("zero1", "fsdp") if args.devices else ():
     for n in args.devices:
       mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
                            axis_types=(jax.sharding.AxisType.Auto,))
@@ -138,11 +184,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"{r['state_bytes'] / 1e6:>15.1f}")
         if n == max(args.devices) and name != "optax.contrib.muon":
           print(f"{'':<10} {name} collectives: {r['detail']}")
-  print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
-  print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "
-        "every Muon element to its owner and back once (ZeRO-1: back = the whole update to every "
-        "device).")
-  print("All route the same leaves: hidden matrices to Muon, everything else to AdamW.")
+  if args.devices:
+    print("\n'vs 1/n': per-device flops over (the same optimizer's 1-device flops / n).")
+    print("'coll. MB': bytes one device receives from the others per update; 'minimal MB': "
+          "every Muon element to its owner and back once (ZeRO-1: back = the whole update to "
+          "every device).")
+    print("All route the same leaves: hidden matrices to Muon, everything else to AdamW.")
+  if args.layouts:
+    print(f"\nmo.muon in each layout, {MAX_DEVICES} devices (the same tree; EP adds 8 experts "
+          "d×4d, each whole on one device)")
+    columns = (f"{'layout':<8} {'mesh':<8} {'mesh= told':<19} {'collectives':>11} "
+               f"{'GFLOP/device':>12} {'warned':>6}  by kind")
+    print(columns + "\n" + "-" * len(columns))
+    for kind in args.layouts:
+      for row in layout_rows(params, kind):
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

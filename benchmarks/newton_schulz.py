@@ -38,11 +38,11 @@ from benchmarks.common import (
   LoadWatch,
   header,
   min_median,
+  newton_schulz_flops,
   optax_orthogonalize,
   parse_shapes,
   time_interleaved,
 )
-from muon_optax._newton_schulz.variant import newton_schulz_flops
 
 STEPS = 5  # of jordan, polar_express and optax's iteration; turbo runs its own 4
 

@@ -199,9 +199,8 @@ def measure(model: str, layout: str, arm: str, devices, platform: str,
   # sums, whole m×m matrices gathered from row blocks). The exchange: every other
   # all-to-all (in, out, and among the devices of a residue for block-wise parts) and the
   # all-gathers over the whole mesh (ZeRO-1's results).
-  from muon_optax._sharded_ns.factor_mesh import SHARED_MATRIX_SCOPE
   ops = collective_ops(compiled.as_text())
-  shared = lambda name: f"/{SHARED_MATRIX_SCOPE}/" in name
+  shared = lambda name: f"/{mo.SHARED_MATRIX_SCOPE}/" in name
   exchange = sum(b for op, g, b, name in ops if not shared(name)
                  and (op == "all-to-all" or (op == "all-gather" and g == n)))
   split_work = sum(b for _, _, b, name in ops if shared(name))
@@ -320,24 +319,17 @@ def plan_table(devices: Sequence[int], models: Sequence[str]) -> str:
   against the flops it saves (`MeshLayout.flops_per_byte`), and with flops alone
   (`flops_per_byte=0`)."""
   import muon_optax as mo
-  from muon_optax._sharded_ns.rounds import group_sizes, per_device_flops, prime_factors
-  from muon_optax._sharded_ns.split_cost import FLOPS_PER_BYTE, memory_budget
   defaults = {"cpu": mo.NewtonSchulz(),
               "gpu": mo.NewtonSchulz(compute_dtype="bfloat16", precision="default")}
   lines = [f"{'model':>5} {'defaults':>8} {'weighing':>12} " + " ".join(f"{n:>7}" for n in devices)]
   for model in models:
-    matrices = muon_matrices(model_tree(model))
+    params = model_tree(model)
     for (name, ns), (weighing, per_byte) in itertools.product(
-        defaults.items(), [("flops, bytes", FLOPS_PER_BYTE), ("flops alone", 0)]):
+        defaults.items(), [("flops, bytes", {}), ("flops alone", {"flops_per_byte": 0})]):
       cells = []
       for n in devices:
-        # The state splits the long side (the columns) over the n devices where it can:
-        # column parts are cut from those blocks, zero-padded where they do not divide.
-        blocks = [n if k % n == 0 else 1 for _, _, k in matrices]
-        flops = per_device_flops(matrices, n, ns, group_sizes(prime_factors(n)),
-                                 col_blocks=blocks, flops_per_byte=per_byte,
-                                 budget=memory_budget(matrices, n, None))
-        cells.append(flops / ideal_flops(matrices, n, ns))
+        plan = mo.mesh_plan(params, n, ns=ns, **per_byte)
+        cells.append(plan.flops_per_device / plan.ideal_flops_per_device)
       lines.append(f"{model:>5} {name:>8} {weighing:>12} " + " ".join(f"{c:>7.2f}" for c in cells))
   return "\n".join(lines)
 

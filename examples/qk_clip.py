@@ -57,11 +57,12 @@ def eval_loss(model, batch):
   return loss_and_max_logits(model, batch)[0]
 
 
-def train(args, tx, train_data, val_batches, label):
+def train(args, make_tx, train_data, val_batches, label):
+  """`make_tx(model)`: the optimizer, which reads its routing from the model."""
   cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers,
                   heads=args.heads, attention="clip", attn_bias=False)
   model = GPT(cfg, rngs=nnx.Rngs(args.seed))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, make_tx(model), wrt=nnx.Param)
   data = batches(train_data, args.batch, args.seq_len, seed=args.seed)
   losses, max_logits = [], []
   start = time.perf_counter()
@@ -93,11 +94,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, tuple]:
   args = parser().parse_args(argv)
   train_split, val_split = load_splits(args.data_root or None, max_bytes=4_000_000)
   val_batches = eval_batches(val_split.data, args.batch, args.seq_len, count=8)
-  muon = lambda: mo.muon(args.lr, adam=mo.AuxAdam(learning_rate=args.adam_lr))
+  tokens = jnp.zeros((1, args.seq_len), jnp.int32)
+  muon = lambda model: mo.muon(args.lr, routing=mo.infer_routing(model, tokens),
+                               adam=mo.AuxAdam(learning_rate=args.adam_lr))
   print(f"Muon lr {args.lr}, τ = {args.tau}, {args.steps} steps on {jax.devices()[0].platform}")
   runs = {
-      "Muon": train(args, muon(), train_split.data, val_batches, "Muon"),
-      "MuonClip": train(args, optax.chain(muon(), mo.qk_clip(args.tau)),
+      "Muon": train(args, muon, train_split.data, val_batches, "Muon"),
+      "MuonClip": train(args, lambda model: optax.chain(muon(model), mo.qk_clip(args.tau)),
                         train_split.data, val_batches, "MuonClip"),
   }
 

@@ -33,6 +33,7 @@ if __name__ == "__main__":
   simulate_devices(parser().parse_args().devices)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -54,13 +55,15 @@ PLACEMENT = {"zero1": "replicated", "fsdp": "sharded"}
 
 def train(args, layout: str, mesh, data) -> dict:
   cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads)
-  graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+  model = GPT(cfg, rngs=nnx.Rngs(0))
+  routing = mo.infer_routing(model, jnp.zeros((1, args.seq_len), jnp.int32))
+  graphdef, params = nnx.split(model)
   param_sharding = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
                     if layout == "zero1" else mo.fsdp_shardings(params, mesh))
   params = jax.device_put(params, param_sharding)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    mo.muon(args.lr, mesh=mo.MeshLayout(mesh, params=PLACEMENT[layout]),
-                           adam=mo.AuxAdam(args.adam_lr, b2=0.95)))
+                           routing=routing, adam=mo.AuxAdam(args.adam_lr, b2=0.95)))
   state_sharding = mo.state_shardings(tx, params, mesh)
   opt_state = jax.jit(tx.init, out_shardings=state_sharding)(params)
   batch_sharding = NamedSharding(mesh, P("data"))

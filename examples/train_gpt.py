@@ -10,9 +10,10 @@ and with AdamW, same init, same data order, and compare.
 
 Run from the repository root. The default configuration finishes in under 3 minutes on
 a 2-core CPU. Each optimizer's learning rate (--lr) and AdamW's (--adam-lr, also every
-aux AdamW's) default to the best of the sweep in benchmarks/results/convergence.txt. It
-writes `loss.png` (train and validation curves of every run) and `run.json` (config,
-curves, final numbers and machine of every run) to --out-dir. The training loop is
+aux AdamW's) default to the best of the sweep in benchmarks/results/convergence.txt
+and frontier.txt; --weight-decay to 0.1 for the -wd / -cwd presets, else 0. It writes
+`loss.png` (train and validation curves of every run) and `run.json` (config, curves,
+final numbers and machine of every run) to --out-dir. The training loop is
 `workload/train.py`; the model `workload/gpt.py`; the data `workload/stdlib_text.py`.
 """
 

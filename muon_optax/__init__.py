@@ -11,7 +11,7 @@ from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
 from muon_optax._newton_schulz.iteration import newton_schulz
 from muon_optax._newton_schulz.settings import PRESETS, NewtonSchulz
 from muon_optax._newton_schulz.variant import newton_schulz_plan
-from muon_optax._orthogonalize import orthogonalize
+from muon_optax._orthogonalize import SHARED_MATRIX_SCOPE, MeshPlan, mesh_plan, orthogonalize
 from muon_optax._placement.mesh_layout import MeshLayout
 from muon_optax._placement.shardings import fsdp_shardings, state_shardings
 from muon_optax._qk_clip import qk_clip
@@ -45,6 +45,7 @@ __all__ = [
     "MatrixView",
     "HyperballState",
     "MeshLayout",
+    "MeshPlan",
     "MuonMomentumState",
     "NewtonSchulz",
     "PRESETS",
@@ -53,6 +54,7 @@ __all__ = [
     "RowSelectionState",
     "SecondMoment",
     "SecondMomentState",
+    "SHARED_MATRIX_SCOPE",
     "WeightDecay",
     "add_decayed_weights",
     "adamuon",
@@ -64,6 +66,7 @@ __all__ = [
     "hyperball",
     "infer_routing",
     "label_params",
+    "mesh_plan",
     "muon",
     "muonbp",
     "muonh",

@@ -5,7 +5,7 @@ through its chain and every other leaf through its own AdamW."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import jax
@@ -16,27 +16,20 @@ from jax.typing import ArrayLike
 from muon_optax import _routing
 from muon_optax._adamw import offload
 from muon_optax._adamw.backends import AuxAdam
-from muon_optax._block_periodic import DEFAULT_BLOCKS, BlockPeriodic, orthogonalize_blocks
+from muon_optax._block_periodic import DEFAULT_BLOCKS, BlockPeriodic
+from muon_optax._direction import Shared, WholeMatrices, direction, scale_component
 from muon_optax._hyperball import hyperball
-from muon_optax._momentum import MuonMomentumState, scale_by_muon_momentum
+from muon_optax._momentum import MuonMomentumState
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
-from muon_optax._orthogonalize import orthogonalize
 from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._placement.packed_gather import with_packed_gather
-from muon_optax._row_selection import RowSelection, select_rows
-from muon_optax._scaling import SCALES, scale_by_dual_norm, scale_by_shape
+from muon_optax._routing.value import Routing, RoutingLike
+from muon_optax._row_selection import RowSelection, RowSelectionState
+from muon_optax._scaling import SCALES
 from muon_optax._second_moment import SecondMoment
 from muon_optax._util import tree_fit, validate
 from muon_optax._util.types import Mask, ScalarOrSchedule
 from muon_optax._weight_decay import WeightDecay, decay_part
-
-ADAPTIVE = "adaptive"
-
-
-def _debias(beta: ArrayLike, nesterov: bool) -> Callable:
-  """1 / (the weight the momentum puts on gradients so far) at step `count` + 1: the EMA
-  holds 1 − βᵗ, its Nesterov look-ahead (1 − β)·g + β·m holds 1 − βᵗ⁺¹."""
-  return lambda count: 1 / (1 - beta ** (count + 1 + int(nesterov)))
 
 
 def scale_by_muon(
@@ -46,7 +39,7 @@ def scale_by_muon(
     ns: NS = DEFAULT_NS,
     scale: Optional[str] = "jordan",
     mu_dtype: Optional[Any] = None,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
     normalize: Optional[SecondMoment] = None,
     select: Optional[RowSelection] = None,
@@ -55,13 +48,15 @@ def scale_by_muon(
   """The family's direction without learning rate or weight decay, built from its parts:
   momentum → Newton–Schulz orthogonalization → (a second moment) → scaling.
 
-  Each member of the family is these parts with its own values: Muon none and a shape
-  scale; NorMuon and AdaMuon a `SecondMoment`; adaptive scaling ⟨M̂, O⟩ (M̂ the momentum
-  without its start-up bias) and Jordan's shape factor, as
-  `optax.contrib.muon(adaptive=True)`; Dion2 a `RowSelection`, whose error-feedback
-  buffer (decay `beta`) and selected neurons take the place of momentum and
-  orthogonalization (`select_rows`). Every leaf it sees must have a matrix view; route
-  other leaves elsewhere (`muon` does that for you). Arguments as in `muon`, and:
+  A chain of components, one a stage: how the gradients become an orthogonal direction
+  (Muon's momentum and whole matrices; a `RowSelection`, whose error-feedback buffer (decay
+  `beta`) and selected neurons take the place of both (`select_rows`); or a
+  `BlockPeriodic`), then a normalization (a `SecondMoment`: NorMuon, AdaMuon) or none,
+  then the scale (a shape's, or adaptive: ⟨M̂, O⟩ (M̂ the momentum without its start-up
+  bias) and Jordan's shape factor, as `optax.contrib.muon(adaptive=True)`). Two
+  components of one stage, or that do not combine, are a ValueError. Every leaf it sees
+  must have a matrix view; route other leaves elsewhere (`muon` does that for you).
+  Arguments as in `muon`, and:
 
   Args:
     nesterov: the momentum's look-ahead; None: True, or False with `select` (Dion2's
@@ -82,50 +77,9 @@ def scale_by_muon(
   References:
     Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks".
   """
-  if scale not in (*SCALES, ADAPTIVE):
-    raise ValueError(f"unknown scale {scale!r}; choose one of {[*SCALES, ADAPTIVE]}.")
-  if scale == ADAPTIVE and normalize is not None:
-    raise ValueError("scale='adaptive' and normalize= are two ways to set the update's "
-                     "magnitude; choose one.")
-  if blocks is not None and (select is not None or scale == ADAPTIVE):
-    raise ValueError("blocks= changes how whole matrices are orthogonalized: it does not "
-                     "combine with select= or scale='adaptive'.")
-  if select is not None:
-    if scale == ADAPTIVE or nesterov:
-      raise ValueError("row selection (select=) keeps an error-feedback buffer, not a "
-                       "momentum: it has no Nesterov look-ahead and no adaptive scale; pass "
-                       "nesterov=False and a shape scale.")
-    parts = [select_rows(select, ef_decay=beta, ns=ns, mu_dtype=mu_dtype, routing=routing,
-                         mesh=mesh),
-             *([normalize.transform(routing)] if normalize is not None else []),
-             scale_by_shape(scale, routing=routing)]
-    # Chosen per shard, the updates come back as the state lies: gathered in one go.
-    return _gathered(optax.chain(*parts), mesh,
-                     normalize is not None or select.scope == "shard")
-  nesterov = True if nesterov is None else nesterov
-  if blocks is None:
-    orthogonal = orthogonalize(ns, routing=routing, mesh=mesh)
-  else:
-    orthogonal = orthogonalize_blocks(blocks, ns, routing=routing, mesh=mesh)
-  parts = [scale_by_muon_momentum(beta, nesterov=nesterov, mu_dtype=mu_dtype)]
-  if scale == ADAPTIVE:
-    parts += [scale_by_dual_norm(orthogonal, routing=routing),
-              optax.scale_by_schedule(_debias(beta, nesterov)),
-              scale_by_shape("jordan", routing=routing)]
-  else:
-    parts += [orthogonal, *([normalize.transform(routing)] if normalize is not None else []),
-              scale_by_shape(scale, routing=routing)]
-  return _gathered(optax.chain(*parts), mesh, scale == ADAPTIVE or normalize is not None)
-
-
-def _gathered(direction: optax.GradientTransformation, mesh: Union[Mesh, MeshLayout, None],
-              statistics: bool) -> optax.GradientTransformation:
-  if mesh is not None and statistics:
-    # Statistics of sharded state: under ZeRO-1 the updates that use them reach the
-    # replicated params in one packed all-gather, not one per leaf (Muon's own come
-    # back from the exchange already laid out).
-    direction = with_packed_gather(direction, as_mesh_layout(mesh))
-  return direction
+  shared = Shared(beta, nesterov, ns, mu_dtype, _routing.as_routing(routing), mesh)
+  orthogonal = [c for c in (select, blocks) if c is not None] or [WholeMatrices()]
+  return direction([*orthogonal, normalize, scale_component(scale)], shared)
 
 
 def _decoupled_step(learning_rate: ScalarOrSchedule,
@@ -137,20 +91,36 @@ def _decoupled_step(learning_rate: ScalarOrSchedule,
                      optax.scale_by_learning_rate(learning_rate))
 
 
-def _family(direction: optax.GradientTransformation, *, step: optax.GradientTransformation,
-            weight_decay_mask: Mask,
-            adam: Union[AuxAdam, optax.GradientTransformation, None],
-            adam_learning_rate: Optional[ScalarOrSchedule], offload_momentum: bool,
-            routing: Any, mesh: Union[Mesh, MeshLayout, None]
+def _member(args: Mapping[str, Any], *,
+            step: Optional[Callable[[Routing], optax.GradientTransformation]] = None,
+            **direction_args: Any) -> optax.GradientTransformationExtraArgs:
+  """The alias whose arguments are `args` (its `locals()`, taken first): `scale_by_muon`
+  of its direction arguments and `direction_args` (its components), then `step` of the
+  `Routing` (None: decoupled weight decay and the learning rate) for the leaves routed
+  to Muon, AdamW for the others, zero for frozen ones: what every alias shares. The
+  routing is made a `Routing` here, once, for every part."""
+  routing = _routing.as_routing(args["routing"])
+  given = {k: args[k] for k in _DIRECTION_ARGS if k in args}
+  direction = scale_by_muon(**{**given, **direction_args}, routing=routing, mesh=args["mesh"])
+  if step is None:
+    then = _decoupled_step(args["learning_rate"], args["weight_decay"], args["weight_decay_mask"])
+  else:
+    then = step(routing)
+  return _family(optax.chain(direction, then), args, routing)
+
+
+# The aliases' arguments that `scale_by_muon` takes as they are.
+_DIRECTION_ARGS = ("beta", "nesterov", "ns", "scale", "mu_dtype")
+
+
+def _family(hidden: optax.GradientTransformation, args: Mapping[str, Any], routing: Routing
             ) -> optax.GradientTransformationExtraArgs:
-  """`direction` then `step` (weight decay and the learning rate, or the hyperball) for
-  the leaves routed to Muon, AdamW for the others, zero for frozen ones: what every alias
-  of the family shares."""
-  routing = _routing.as_routing(routing)
-  hidden = optax.chain(direction, step)
-  if offload_momentum:
+  """`hidden` for the leaves routed to Muon, AdamW for the others, zero for frozen ones;
+  `args` the alias's arguments."""
+  weight_decay_mask, mesh = args.get("weight_decay_mask"), args["mesh"]
+  if args["offload_momentum"]:
     hidden = offload.offload_state(hidden)
-  adam = _aux_branch(adam, adam_learning_rate)
+  adam = _aux_branch(args["adam"], args["adam_learning_rate"])
   if mesh is not None:  # ZeRO-1: the AdamW updates gathered in one collective, not per leaf
     adam = with_packed_gather(adam, as_mesh_layout(mesh))
   transforms = {_routing.MUON: hidden, _routing.ADAM: adam, _routing.FROZEN: optax.set_to_zero()}
@@ -164,22 +134,26 @@ def _family(direction: optax.GradientTransformation, *, step: optax.GradientTran
 
   def init_fn(params):
     tree_fit.check_mask("weight_decay_mask", weight_decay_mask, params)
-    return offload.commit_like(inner.init(params), params)
+    state = offload.commit_like(inner.init(params), params)
+    _routing.warn_guessed_views(routing, params)
+    return state
 
   def update_fn(updates, state, params=None, **extra_args):
     # Before labelling, so that a mismatch is named as one: against the params, or the
-    # momentum, which mirrors them (with placeholders where other branches' leaves are).
-    tree_fit.check_updates(updates, params if params is not None else _momentum_of(state))
+    # state tree that mirrors them (with placeholders where other branches' leaves are).
+    tree_fit.check_updates(updates, params if params is not None else _mirror_of(state))
     return inner.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _momentum_of(state: Any) -> Any:
-  """The momentum tree inside a family state (the params' structure)."""
-  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, MuonMomentumState))
-           if isinstance(x, MuonMomentumState)]
-  return found[0].mu
+def _mirror_of(state: Any) -> Any:
+  """The tree inside a family state that has the params' structure: Muon's momentum, or
+  Dion2's error-feedback buffer."""
+  mirrors = (MuonMomentumState, RowSelectionState)
+  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mirrors))
+           if isinstance(x, mirrors)]
+  return found[0][0]
 
 
 def _aux_branch(adam: Union[AuxAdam, optax.GradientTransformation, None],
@@ -207,7 +181,7 @@ def muon(
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden weight matrices, AdamW for everything else, routed by tree path.
@@ -266,12 +240,7 @@ def muon(
     Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks".
     Liu et al. 2025, "Muon is scalable for LLM training", arXiv 2502.16982.
   """
-  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=scale, mu_dtype=mu_dtype,
-                            routing=routing, mesh=mesh)
-  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
-                 weight_decay_mask=weight_decay_mask, adam=adam,
-                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
-                 routing=routing, mesh=mesh)
+  return _member(locals())
 
 
 def _family_scale(scale: Optional[str]) -> Optional[str]:
@@ -295,7 +264,7 @@ def normuon(
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """NorMuon: Muon whose orthogonalized update is normalized per output neuron.
@@ -315,13 +284,8 @@ def normuon(
   References:
     Li et al. 2025, "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491.
   """
-  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=_family_scale(scale),
-                            mu_dtype=mu_dtype, routing=routing, mesh=mesh,
-                            normalize=SecondMoment("neurons", b2=b2, eps=1e-10, rescale="norm"))
-  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
-                 weight_decay_mask=weight_decay_mask, adam=adam,
-                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
-                 routing=routing, mesh=mesh)
+  return _member(locals(), scale=_family_scale(scale),
+                 normalize=SecondMoment("neurons", b2=b2, eps=1e-10, rescale="norm"))
 
 
 def adamuon(
@@ -338,7 +302,7 @@ def adamuon(
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """AdaMuon: Muon whose orthogonalized update is normalized element-wise, RMS-aligned.
@@ -359,13 +323,8 @@ def adamuon(
   References:
     Si, Zhang, Shen 2025, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005.
   """
-  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=_family_scale(scale),
-                            mu_dtype=mu_dtype, routing=routing, mesh=mesh,
-                            normalize=SecondMoment("elements", b2=b2, eps=1e-8, rescale="rms"))
-  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
-                 weight_decay_mask=weight_decay_mask, adam=adam,
-                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
-                 routing=routing, mesh=mesh)
+  return _member(locals(), scale=_family_scale(scale),
+                 normalize=SecondMoment("elements", b2=b2, eps=1e-8, rescale="rms"))
 
 
 def dion2(
@@ -381,7 +340,7 @@ def dion2(
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Dion2: Muon that orthogonalizes only a `fraction` of each matrix's output neurons.
@@ -403,13 +362,8 @@ def dion2(
     Ahn, Amsel, Langford 2025, "Dion2: A simple method to shrink matrix in Muon",
     arXiv 2512.16928.
   """
-  direction = scale_by_muon(beta, nesterov=False, ns=ns, scale=_family_scale(scale),
-                            mu_dtype=mu_dtype, routing=routing, mesh=mesh,
-                            select=_selection(fraction))
-  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
-                 weight_decay_mask=weight_decay_mask, adam=adam,
-                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
-                 routing=routing, mesh=mesh)
+  return _member(locals(), scale=_family_scale(scale), nesterov=False,
+                 select=_selection(fraction))
 
 
 def _selection(fraction: Union[float, RowSelection]) -> RowSelection:
@@ -430,7 +384,7 @@ def nordion2(
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """NorDion2 (Dion3): Dion2's selected neurons, normalized as NorMuon normalizes them.
@@ -450,14 +404,10 @@ def nordion2(
     Ahn, Amsel, Langford 2025, "Dion2", arXiv 2512.16928; NorDion2 in microsoft/dion.
     Li et al. 2025, "NorMuon", arXiv 2510.05491.
   """
-  normalize = SecondMoment("neurons", b2=b2, eps=1e-10, rescale="norm", selected_only=True)
-  direction = scale_by_muon(beta, nesterov=False, ns=ns, scale=_family_scale(scale),
-                            mu_dtype=mu_dtype, routing=routing, mesh=mesh,
-                            normalize=normalize, select=_selection(fraction))
-  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
-                 weight_decay_mask=weight_decay_mask, adam=adam,
-                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
-                 routing=routing, mesh=mesh)
+  return _member(locals(), scale=_family_scale(scale), nesterov=False,
+                 select=_selection(fraction),
+                 normalize=SecondMoment("neurons", b2=b2, eps=1e-10, rescale="norm",
+                                        selected_only=True))
 
 
 def muonh(
@@ -470,7 +420,7 @@ def muonh(
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """MuonH: Muon's direction, stepped on the hyperball of each matrix's initial norm.
@@ -490,11 +440,8 @@ def muonh(
   References:
     "Hyperball" / MuonH, arXiv 2606.16899; MuonH in microsoft/dion.
   """
-  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=None, mu_dtype=mu_dtype,
-                            routing=routing, mesh=mesh)
-  return _family(direction, step=hyperball(learning_rate, routing=routing),
-                 weight_decay_mask=None, adam=adam, adam_learning_rate=adam_learning_rate,
-                 offload_momentum=offload_momentum, routing=routing, mesh=mesh)
+  return _member(locals(), scale=None,
+                 step=lambda routing: hyperball(learning_rate, routing=routing))
 
 
 def muonbp(
@@ -511,7 +458,7 @@ def muonbp(
     adam: Union[AuxAdam, optax.GradientTransformation, None] = None,
     adam_learning_rate: Optional[ScalarOrSchedule] = None,
     offload_momentum: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """MuonBP: Muon that orthogonalizes each device's block of a matrix alone, with no
@@ -533,9 +480,4 @@ def muonbp(
     Khaled et al. 2025, "MuonBP: Faster Muon via block-periodic orthogonalization",
     arXiv 2510.16981.
   """
-  direction = scale_by_muon(beta, nesterov=nesterov, ns=ns, scale=_family_scale(scale),
-                            mu_dtype=mu_dtype, routing=routing, mesh=mesh, blocks=blocks)
-  return _family(direction, step=_decoupled_step(learning_rate, weight_decay, weight_decay_mask),
-                 weight_decay_mask=weight_decay_mask, adam=adam,
-                 adam_learning_rate=adam_learning_rate, offload_momentum=offload_momentum,
-                 routing=routing, mesh=mesh)
+  return _member(locals(), scale=_family_scale(scale), blocks=blocks)

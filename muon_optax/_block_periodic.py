@@ -6,17 +6,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from muon_optax._direction import Chain, Component, Shared, momentum_of
 from muon_optax._newton_schulz.iteration import newton_schulz
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
-from muon_optax._orthogonalize import _from_wide, _to_wide, grouped_solver, orthogonalize
-from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
+from muon_optax._orthogonalize import grouped_solver, orthogonalize
+from muon_optax._placement.mesh_layout import EXCHANGES, MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import (
   data_spec,
   divided_axis,
@@ -24,20 +25,21 @@ from muon_optax._placement.shardings import (
   reshard_to,
   shard_mapped,
 )
-from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
-from muon_optax._routing.value import as_routing
-from muon_optax._util import paths
+from muon_optax._routing.matrix_leaves import MatrixLeaves, from_wide, to_wide
+from muon_optax._routing.matrix_view import MatrixView
+from muon_optax._routing.value import RoutingLike, as_routing
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockPeriodic:
+class BlockPeriodic(Component):
   """MuonBP's schedule as one value, as `scale_by_muon(blocks=...)` takes it.
 
   Attributes:
     period: every `period`-th step (the first included) orthogonalizes whole matrices;
       the others each block alone. 1 is Muon.
     devices: on one device, the blocks are those a mesh of this many devices gives
-      (see `orthogonalize_blocks`). On a mesh, None: its data axes' devices.
+      (see `orthogonalize_blocks`). On a mesh, None (or their number): its data axes'
+      devices; another count is refused.
     block_scale: the block steps' rate relative to the full steps' (block steps are
       also brought to the full steps' update RMS).
 
@@ -49,6 +51,11 @@ class BlockPeriodic:
   period: int = 4
   devices: Optional[int] = None
   block_scale: float = 1.0
+  stage: ClassVar[str] = "orthogonal"  # Muon's momentum, orthogonalized by blocks
+
+  def extend(self, chain: Chain, shared: Shared) -> Chain:
+    return (*chain, momentum_of(shared),
+            orthogonalize_blocks(self, shared.ns, routing=shared.routing, mesh=shared.mesh))
 
   def __post_init__(self):
     for name in ("period", "devices"):
@@ -78,9 +85,9 @@ def _block_factor(view: MatrixView, block: tuple[int, ...], whole: tuple[int, ..
 
 def _orthogonalize_each(xs: list[jax.Array], views: list[MatrixView], solve) -> list[jax.Array]:
   """Each array orthogonalized through its view, same shapes batched together."""
-  wides = [_to_wide(x, view) for x, view in zip(xs, views)]
+  wides = [to_wide(x, view) for x, view in zip(xs, views)]
   results = solve(wides, [x for x in xs], None)
-  return [_from_wide(r, w, x.shape) for r, w, x in zip(results, wides, xs)]
+  return [from_wide(r, w, x.shape) for r, w, x in zip(results, wides, xs)]
 
 
 def _split(x: jax.Array, axis: Optional[int], n: int) -> jax.Array:
@@ -138,7 +145,7 @@ def orthogonalize_blocks(
     blocks: BlockPeriodic = DEFAULT_BLOCKS,
     ns: NS = DEFAULT_NS,
     *,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformation:
   """MuonBP's orthogonalization: every `blocks.period`-th step (the first included) as
@@ -151,7 +158,7 @@ def orthogonalize_blocks(
   `state_shardings` lays its state out on (its largest axis they divide, the last of
   equals), read from the types on an Explicit mesh. On a mesh each device
   orthogonalizes its own block in a `shard_map` with no collective; on one device
-  `blocks.blocks` gives the count, and the results equal those of a mesh of that many
+  `blocks.devices` gives the count, and the results equal those of a mesh of that many
   devices. A leaf no axis of which they divide is one block. The step kind is chosen
   by `lax.cond` on the state's count, so one executable serves both.
 
@@ -181,31 +188,31 @@ def orthogonalize_blocks(
   if layout is None and blocks.devices is None:
     raise ValueError("BlockPeriodic(devices=None) takes its blocks from a mesh: pass mesh=, "
                      "or devices= the number of devices whose blocks to use.")
+  if layout is not None and blocks.devices is not None:
+    shards = math.prod(layout.mesh.shape[a] for a in layout.data_axis)
+    if blocks.devices != shards:
+      raise ValueError(
+          f"BlockPeriodic(devices={blocks.devices}) on a mesh whose data axes hold {shards} "
+          "devices: on a mesh the blocks are its devices' own shards. Pass devices=None (or "
+          f"{shards}) to use them, or mesh=None for the blocks of {blocks.devices} devices "
+          "on one.")
   full = orthogonalize(ns, routing=routing, mesh=mesh)
-  # On a mesh each device's blocks run in as many parts as the full step's exchanges,
-  # one after another, to bound their memory alike.
+  # On a mesh each device's blocks run in as many parts as the full step's exchanges at
+  # most, one after another, to bound their memory alike.
   solve = grouped_solver(ns.fn or functools.partial(newton_schulz, ns=ns),
-                         parts=1 if layout is None else layout.exchanges)
+                         parts=1 if layout is None else layout.exchanges or EXCHANGES)
   period = blocks.period
 
   def block_step(updates, params):
-    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
-    live = [i for i, (_, x) in enumerate(flat) if not paths.is_masked(x) and x.size]
-    leaf_views = [matrix_view_of(views, paths.path_str(flat[i][0]), flat[i][1]) for i in live]
-    xs = [flat[i][1] for i in live]
+    leaves = MatrixLeaves.of(updates, views)
+    xs, leaf_views = leaves.arrays(), list(leaves.views)
     if layout is None:
-      results = _blocks_here(xs, leaf_views, blocks, solve)
-    else:
-      # Results go where the full step puts them: laid out like the params on an Explicit
-      # mesh (the two branches of the cond must agree), else as the state lies.
-      likes = jax.tree_util.tree_leaves(params, is_leaf=paths.is_masked) if params else []
-      likes = [likes[i] for i in live] if len(likes) == len(flat) else xs
-      results = [reshard_to(r, explicit_spec(like)) for r, like in
-                 zip(_blocks_on_mesh(xs, leaf_views, blocks, solve, layout), likes)]
-    out = [x for _, x in flat]
-    for i, r in zip(live, results):
-      out[i] = r
-    return treedef.unflatten(out)
+      return leaves.put(_blocks_here(xs, leaf_views, blocks, solve))
+    # Results go where the full step puts them: laid out like the params on an Explicit
+    # mesh (the two branches of the cond must agree), else as the state lies.
+    likes = leaves.pick_like(params) or xs
+    return leaves.put([reshard_to(r, explicit_spec(like)) for r, like in
+                       zip(_blocks_on_mesh(xs, leaf_views, blocks, solve, layout), likes)])
 
   def update_fn(updates, state, params=None):
     whole = lambda u: full.update(u, optax.EmptyState(), params)[0]

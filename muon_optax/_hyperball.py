@@ -3,15 +3,17 @@ it by a step relative to that norm, instead of being decayed."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.typing import ArrayLike
 
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
-from muon_optax._routing.value import as_routing
+from muon_optax._routing.value import RoutingLike, as_routing
 from muon_optax._util import paths, validate
 from muon_optax._util.types import ScalarOrSchedule
 
@@ -30,8 +32,14 @@ def _matrix_norms(x: jax.Array, view: MatrixView, dtype: Any) -> jax.Array:
   return jnp.sqrt(view.matrix_sums(x * x))
 
 
+def _refuse_zero_norms(path: str, radius: ArrayLike, eps: ArrayLike) -> None:
+  if np.any(np.asarray(radius) <= np.asarray(eps)):
+    raise ValueError(f"{path}: a matrix of norm zero cannot keep its norm on the hyperball "
+                     "(it would never move). Initialize it nonzero, or route it elsewhere.")
+
+
 def hyperball(learning_rate: ScalarOrSchedule = 0.01, *, eps: ArrayLike = 1e-10,
-              routing: Any = None) -> optax.GradientTransformation:
+              routing: RoutingLike = None) -> optax.GradientTransformation:
   """The step of a direction U on the sphere of each matrix's initial norm r:
 
       W' = r · (W − lr·r·U/‖U‖_F) / ‖W − lr·r·U/‖U‖_F‖_F
@@ -48,8 +56,9 @@ def hyperball(learning_rate: ScalarOrSchedule = 0.01, *, eps: ArrayLike = 1e-10,
 
   Returns:
     An `optax.GradientTransformation` with a `HyperballState`. Init raises a ValueError
-    naming a matrix whose norm is zero (its sphere is a point), when the params are
-    concrete: a zero-initialized matrix needs another init to train this way.
+    naming a matrix whose norm is zero (its sphere is a point): at once on concrete
+    params, when the init runs under `jax.jit` (an XLA runtime error that carries it). A
+    zero-initialized matrix needs another init to train this way.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, muon_optax as mo
@@ -69,9 +78,11 @@ def hyperball(learning_rate: ScalarOrSchedule = 0.01, *, eps: ArrayLike = 1e-10,
   def init_leaf(path, p):
     view = matrix_view_of(views, path, p).normalize(p.ndim)
     radius = _matrix_norms(p, view, jnp.promote_types(p.dtype, jnp.float32))
-    if not isinstance(radius, jax.core.Tracer) and p.size and bool(jnp.any(radius <= eps)):
-      raise ValueError(f"{path}: a matrix of norm zero cannot keep its norm on the hyperball "
-                       "(it would never move). Initialize it nonzero, or route it elsewhere.")
+    if p.size and isinstance(radius, jax.core.Tracer):
+      # Traced (jax.jit(tx.init), as on a mesh): checked when the init runs.
+      jax.debug.callback(functools.partial(_refuse_zero_norms, path), radius, eps)
+    elif p.size:
+      _refuse_zero_norms(path, radius, eps)
     return radius
 
   def init_fn(params):

@@ -2,48 +2,33 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
-from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
-from muon_optax._placement.shardings import data_spec, explicit_spec, stack_spec
-from muon_optax._routing.matrix_view import MatrixView, ViewFn, matrix_view_of
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, Kernel, as_newton_schulz
+from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE, MeshLayout, as_mesh_layout
+from muon_optax._placement.shardings import explicit_spec, stack_spec
+from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, from_wide, to_wide
+from muon_optax._routing.matrix_view import ViewFn
 from muon_optax._routing.value import as_routing
-from muon_optax._sharded_ns import sharded_solver
-from muon_optax._util import paths
+from muon_optax._sharded_ns import (  # the scope's name is public: collectives read by it
+  SHARED_MATRIX_SCOPE,  # noqa: F401
+  MeshPlan,
+  device_plan,
+  sharded_solver,
+)
 from muon_optax._util.order import after
 
-
-class _Wide(NamedTuple):
-  """One leaf as a stack of wide (rows ≤ cols) matrices, and how to undo that."""
-
-  stack: jax.Array  # (count, rows, cols), rows ≤ cols
-  view: MatrixView
-  transposed: bool
-
-
-def _to_wide(leaf: jax.Array, view: MatrixView) -> _Wide:
-  m = view.to_matrices(leaf)
-  tall = m.shape[-2] > m.shape[-1]
-  return _Wide(jnp.swapaxes(m, -1, -2) if tall else m, view, tall)
-
-
-def _from_wide(stack: jax.Array, wide: _Wide, shape: tuple[int, ...]) -> jax.Array:
-  m = jnp.swapaxes(stack, -1, -2) if wide.transposed else stack
-  return wide.view.from_matrices(m, shape)
-
-
 # Orthogonalizes the wide (count, rows, cols) stacks of a list of leaves, returning the
-# results in order; `likes` are the params' leaves, whose layout the results should take.
+# results in order; `likes` are the params' leaves, whose layout the results should take,
+# and `paths=` the leaves' paths, by which a `MeshLayout` states the params' layouts.
 # On a mesh, `specs=` (keyword) says where the stacks lie instead, and the results go there.
 Solver = Callable[..., list[jax.Array]]
 
@@ -55,7 +40,7 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> S
   elements, and the runs go one after another, each once the last one's result is
   computed (`after`), so that one run's Newton–Schulz temporaries are live at a time."""
 
-  def solve(wides, leaves=None, likes=None, specs=None):
+  def solve(wides, leaves=None, likes=None, specs=None, paths=None):
     stacks = [w.stack for w in wides]
     groups = {}
     for i, s in enumerate(stacks):
@@ -82,31 +67,42 @@ def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> S
   return solve
 
 
-def mesh_solver(ns_fn, split_fn, cost: NewtonSchulz, layout: MeshLayout) -> Solver:
+def mesh_solver(kernel: Kernel, layout: MeshLayout) -> Solver:
   """Stacks dealt over the mesh (`sharded_solver`), told where they lie: as the leaves'
-  types say on an Explicit mesh, else as `state_shardings` lays the state out; results
-  go where the params are (types), or as `layout.params` says."""
-  solve_stacks = sharded_solver(ns_fn, layout, split_fn=split_fn, cost=cost)
+  types say on an Explicit mesh, else as `state_shardings` lays the state out beside the
+  params' layout (`MeshLayout.param_spec`: stated, seen at init, or guessed); results go
+  where the params are (types, else that layout)."""
+  solve_stacks = sharded_solver(kernel, layout)
 
-  def spec_of(leaf, wide: _Wide) -> P:
-    spec = explicit_spec(leaf)
-    if spec is None:
-      spec = data_spec(tuple(leaf.shape), layout.mesh, layout.data_axis)
+  def stack_of(spec: P, leaf, wide: WideStack) -> P:
     view = wide.view.normalize(leaf.ndim)
     if view.blocks > 1:  # the fan-out cut into blocks joins the count: XLA lays it out
       return P()
     return stack_spec(spec, (view.batch, view.fan_in, view.fan_out), wide.transposed)
 
-  def solve(wides, leaves, likes=None, specs=None):
+  def param_spec(leaf, like, path) -> Optional[P]:
+    """The parameter's layout, or None where only the state's is known (an Explicit mesh
+    told nothing else, or a leaf without a path): the results then stay as the state lies."""
+    if path is None:
+      return P() if layout.params == "replicated" else None
+    if layout.explicit:
+      if like is not None:
+        return explicit_spec(like)
+      return layout.param_spec(path, tuple(leaf.shape)) if layout.stated else None
+    return layout.param_spec(path, tuple(leaf.shape))
+
+  def solve(wides, leaves, likes=None, specs=None, paths=None):
     if specs is not None:
       return solve_stacks([w.stack for w in wides], specs, specs)
-    specs = [spec_of(leaf, w) for leaf, w in zip(leaves, wides)]
-    if layout.explicit and likes is not None:
-      out = [spec_of(like, w) for like, w in zip(likes, wides)]
-      out = None if all(not any(s) for s in out) else out
-    else:
-      out = None if layout.gathers() else specs
-    return solve_stacks([w.stack for w in wides], specs, out)
+    likes, paths = likes or [None] * len(leaves), paths or [None] * len(leaves)
+    params = [param_spec(leaf, like, path) for leaf, like, path in zip(leaves, likes, paths)]
+    ins = [explicit_spec(leaf) or layout.state_spec(tuple(leaf.shape), p or P())
+           for leaf, p in zip(leaves, params)]
+    outs = [i if p is None else p for i, p in zip(ins, params)]
+    ins = [stack_of(s, leaf, w) for s, leaf, w in zip(ins, leaves, wides)]
+    outs = [stack_of(s, leaf, w) for s, leaf, w in zip(outs, leaves, wides)]
+    return solve_stacks([w.stack for w in wides], ins,
+                        None if all(not any(s) for s in outs) else outs)
 
   return solve
 
@@ -119,36 +115,21 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
   ns, layout = as_newton_schulz(ns), as_mesh_layout(mesh)
   if layout is not None and ns.fn is None:  # the defaults of the platform it runs on
     ns = ns.on(layout.platform)
-  if ns.fn is None:
-    ns_fn = functools.partial(newton_schulz, ns=ns)
-    split_fn = functools.partial(newton_schulz_column_parts, ns=ns)
-    cost = ns
-  else:  # a custom function sees whole matrices only; balance as if it were Jordan's
-    ns_fn, split_fn, cost = ns.fn, None, NewtonSchulz("jordan", gram=False)
+  kernel = Kernel.of(ns)  # a custom function sees whole matrices only
   if around is not None:
-    ns_fn, split_fn = around(ns_fn), None
-  return grouped_solver(ns_fn) if layout is None else mesh_solver(ns_fn, split_fn, cost, layout)
+    kernel = kernel.around(around)
+  return grouped_solver(kernel.whole) if layout is None else mesh_solver(kernel, layout)
 
 
 def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any = None) -> Any:
   """Sees every Muon leaf as a stack of wide matrices, orthogonalizes all of them with
   `solver`, and puts each result back in its leaf's layout. With `like` (the params),
   the solver also gets their leaves, whose layout the results should take."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
-  views_of = {i: matrix_view_of(views, paths.path_str(path), leaf)
-              for i, (path, leaf) in enumerate(flat) if not paths.is_masked(leaf)}
-  # An empty matrix has no direction to orthogonalize: its update is zero (it is empty).
-  wides = {i: _to_wide(flat[i][1], view) for i, view in views_of.items() if flat[i][1].size}
-  leaves = [] if like is None else jax.tree_util.tree_leaves(like, is_leaf=paths.is_masked)
-  likes = None
-  if like is not None and len(leaves) == len(flat) and all(
-      getattr(leaves[i], "shape", None) == flat[i][1].shape for i in wides):
-    likes = [leaves[i] for i in wides]
-  results = solver(list(wides.values()), [flat[i][1] for i in wides], likes)
-  out = [leaf for _, leaf in flat]
-  for (i, wide), result in zip(wides.items(), results):
-    out[i] = _from_wide(result, wide, flat[i][1].shape)
-  return jax.tree_util.tree_unflatten(treedef, out)
+  leaves = MatrixLeaves.of(updates, views)
+  xs = leaves.arrays()
+  wides = [to_wide(x, view) for x, view in zip(xs, leaves.views)]
+  results = solver(wides, xs, leaves.pick_like(like), paths=leaves.paths)
+  return leaves.put([from_wide(r, w, x.shape) for r, w, x in zip(results, wides, xs)])
 
 
 def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
@@ -183,11 +164,56 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
     ...   return u @ vt
     >>> u, _ = mo.orthogonalize(mo.NewtonSchulz(fn=polar)).update(g, optax.EmptyState())
   """
-  views = as_routing(routing).view
-  solver = solver_for(ns, mesh)
+  views, layout = as_routing(routing).view, as_mesh_layout(mesh)
+  solver = solver_for(ns, layout)
+
+  def init_fn(params):
+    if layout is not None:  # concrete params show their layout (MeshLayout.at_init)
+      layout.at_init(params)
+    return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
     like = params if mesh is not None else None  # on a mesh, results laid out like params
     return orthogonalize_leaves(updates, views, solver, like), state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def mesh_plan(params: Any, devices: int, *, routing: Any = None, ns: NS = DEFAULT_NS,
+              flops_per_byte: float = FLOPS_PER_BYTE, memory: Optional[float] = None
+              ) -> MeshPlan:
+  """How `muon(..., mesh=)` deals the Newton–Schulz work of `params` over a 1-D mesh of
+  `devices` devices, the state's columns split over them where they divide (FSDP):
+  from the shapes alone, no compile.
+
+  Args:
+    params: the params pytree (arrays or `jax.ShapeDtypeStruct`s).
+    devices: the mesh's size.
+    routing: as given to `muon`.
+    ns: as given to `muon`; its "auto" settings are jax's default backend's.
+    flops_per_byte, memory: as given to `MeshLayout`.
+
+  Returns:
+    A `MeshPlan`: each round's (rows, cols, split), in the order they run (a split g > 1:
+    each matrix's columns shared by g devices); the Newton–Schulz flops each device runs,
+    and the ideal, every matrix's flops over the devices.
+
+  Examples:
+    >>> import jax.numpy as jnp, muon_optax as mo
+    >>> params = {f"l{i}": {"kernel": jnp.ones((64, 256))} for i in range(12)}
+    >>> [split for *_, split in mo.mesh_plan(params, 8).rounds]  # 8 whole, then 4
+    [1, 1]
+    >>> plan = mo.mesh_plan(params, 8, flops_per_byte=0)  # traffic free: 4 over pairs
+    >>> [split for *_, split in plan.rounds], plan.flops_per_device / plan.ideal_flops_per_device
+    ([1, 2], 1.0)
+  """
+  routing = as_routing(routing)
+  stacks = []
+  for path, leaf, decision in routing.decide(params):
+    if decision.label == "muon":
+      shape = tuple(np.shape(leaf))
+      count, fan_in, fan_out = routing.view(path, shape).matrix_shape(shape)
+      stacks.append((count, min(fan_in, fan_out), max(fan_in, fan_out)))  # wide, as NS runs
+  col_shards = [devices if cols % devices == 0 else 1 for _, _, cols in stacks]
+  return device_plan(stacks, devices, Kernel.of(as_newton_schulz(ns)).priced, col_shards,
+                     flops_per_byte, memory)

@@ -6,29 +6,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple, Optional, Union
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
+from muon_optax._direction import Chain, Component, Shared
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
-from muon_optax._orthogonalize import _Wide, solver_for
+from muon_optax._orthogonalize import solver_for
 from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import (
   data_spec,
   divided_axis,
   explicit_spec,
+  reshard_to,
   shard_mapped,
   spec_axes,
   stack_spec,
 )
-from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
-from muon_optax._routing.value import as_routing
+from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, unwide, wide_stack
+from muon_optax._routing.matrix_view import MatrixView
+from muon_optax._routing.value import RoutingLike, as_routing
 from muon_optax._util import paths, validate
 
 SCOPES = ("matrix", "shard")
@@ -37,7 +41,7 @@ _STACK_VIEW = MatrixView((0,), (1,), (2,))
 
 
 @dataclasses.dataclass(frozen=True)
-class RowSelection:
+class RowSelection(Component):
   """Dion2's selection as one value, as `scale_by_muon(select=...)` takes it.
 
   Attributes:
@@ -59,6 +63,24 @@ class RowSelection:
   fraction: float = 0.25
   scope: str = "matrix"
   devices: Optional[int] = None
+  # An error-feedback buffer (decay: the direction's beta) in place of the momentum,
+  # and its selected neurons orthogonalized.
+  stage: ClassVar[str] = "orthogonal"
+
+  @property
+  def gathers(self) -> bool:
+    return self.scope == "shard"  # chosen per shard, the updates come back as the state lies
+
+  def check(self, chosen: Mapping[str, Component], shared: Shared) -> None:
+    if shared.nesterov:
+      raise ValueError("row selection (select=) keeps an error-feedback buffer, not a "
+                       "momentum: it has no Nesterov look-ahead and no adaptive scale; pass "
+                       "nesterov=False and a shape scale.")
+
+  def extend(self, chain: Chain, shared: Shared) -> Chain:
+    return (*chain, select_rows(self, ef_decay=shared.beta, ns=shared.ns,
+                                mu_dtype=shared.mu_dtype, routing=shared.routing,
+                                mesh=shared.mesh))
 
   def __post_init__(self):
     if self.scope not in SCOPES:
@@ -107,7 +129,7 @@ def select_rows(
     ef_decay: ArrayLike = 0.95,
     ns: NS = DEFAULT_NS,
     mu_dtype: Optional[Any] = None,
-    routing: Any = None,
+    routing: RoutingLike = None,
     mesh: Union[Mesh, MeshLayout, None] = None,
 ) -> optax.GradientTransformation:
   """Dion2's direction: an error-feedback buffer, and the orthogonalization of its
@@ -157,11 +179,11 @@ def select_rows(
   if select.scope == "matrix":
     # The selection runs where the whole matrix is: on the device Newton–Schulz gives it
     # to, inside the exchange, so a mesh moves what Muon's would and nothing more.
-    solver = solver_for(ns, mesh, around=lambda ns_fn: functools.partial(
+    solver = solver_for(ns, layout, around=lambda ns_fn: functools.partial(
         _select_and_orthogonalize, select=select, ns_fn=ns_fn))
     groups = None
   else:  # each shard's neurons chosen where they lie: only they reach the exchange
-    solver = solver_for(ns, mesh)
+    solver = solver_for(ns, layout)
     shards = None if layout is None else math.prod(layout.mesh.shape[a] for a in layout.data_axis)
     groups = select.devices or shards
     if groups is None:
@@ -171,38 +193,51 @@ def select_rows(
     choice_layout = layout if groups == shards and shards > 1 else None
 
   def init_fn(params):
+    if layout is not None:  # concrete params show their layout (MeshLayout.at_init)
+      layout.at_init(params)
     return RowSelectionState(optax.tree.zeros_like(params, dtype=mu_dtype))
 
   def update_fn(updates, state, params=None):
-    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
-    buffers = [b if paths.is_masked(g) else b + g.astype(b.dtype)
-               for (_, g), b in zip(flat, treedef.flatten_up_to(state.buffer))]
-    # Empty leaves have no direction: their update is zero (they are empty).
-    live = [i for i, (_, g) in enumerate(flat) if not paths.is_masked(g) and g.size]
-    leaf_views = {i: matrix_view_of(views, paths.path_str(flat[i][0]), flat[i][1]) for i in live}
-    stacks = [leaf_views[i].to_matrices(buffers[i].astype(flat[i][1].dtype)) for i in live]
+    buffer = jax.tree.map(lambda b, g: b if paths.is_masked(g) else b + g.astype(b.dtype),
+                          state.buffer, updates, is_leaf=paths.is_masked)
+    leaves = MatrixLeaves.of(updates, views)
+    grads, buffers = leaves.arrays(), leaves.pick(buffer)
+    stacks = [view.to_matrices(b.astype(g.dtype))
+              for b, g, view in zip(buffers, grads, leaves.views)]
     if groups is None:
       # (count, fan_in, fan_out) stacks, not turned wide: the selection needs the fan-out.
-      likes = None if params is None else jax.tree_util.tree_leaves(params,
-                                                                   is_leaf=paths.is_masked)
-      likes = [likes[i] for i in live] if likes is not None and len(likes) == len(flat) else None
-      results = solver([_Wide(m, leaf_views[i], False) for i, m in zip(live, stacks)],
-                       [buffers[i] for i in live], likes)
+      results = solver([WideStack(m, view, False) for m, view in zip(stacks, leaves.views)],
+                       buffers, leaves.pick_like(params), paths=leaves.paths)
     else:
       # Groups where the devices split the leading fan-out axis (each holds whole neurons);
       # elsewhere one, whose selection needs only the norms gathered, not the matrix.
-      kinds = [_groups_of(buffers[i], leaf_views[i], groups, choice_layout) for i in live]
+      kinds = [_groups_of(b, view, groups, choice_layout)
+               for b, view in zip(buffers, leaves.views)]
       results = _per_shard(stacks, kinds, select, solver, choice_layout)
-    out, new_buffers = [g for _, g in flat], list(buffers)
-    for i, result in zip(live, results):
-      view, g = leaf_views[i], flat[i][1]
-      out[i] = view.from_matrices(result, g.shape).astype(g.dtype)
+    out, new_buffers = [], []
+    for result, g, b, view in zip(results, grads, buffers, leaves.views):
+      out.append(view.from_matrices(result, g.shape).astype(g.dtype))
       # The selected neurons are those with a nonzero update: their buffer decays.
-      chosen = jnp.any(out[i] != 0, axis=view.normalize(g.ndim).fan_in, keepdims=True)
-      new_buffers[i] = jnp.where(chosen, ef_decay * buffers[i], buffers[i]).astype(buffers[i].dtype)
-    return treedef.unflatten(out), RowSelectionState(treedef.unflatten(new_buffers))
+      chosen = jnp.any(out[-1] != 0, axis=view.fan_in, keepdims=True)
+      new_buffers.append(_as_state(jnp.where(chosen, ef_decay * b, b).astype(b.dtype), b,
+                                   layout))
+    return leaves.put(out), RowSelectionState(leaves.put(new_buffers, buffer))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _as_state(new: jax.Array, old: jax.Array, layout: Optional[MeshLayout]) -> jax.Array:
+  """The new buffer laid out as the state leaf `old` it replaces: its type's on an Explicit
+  mesh, else as `state_shardings` lays it out. It is computed from the exchange's results,
+  which come back on the engine's own mesh: a jitted step would otherwise return the state
+  in another layout than it took, and compile again for the next."""
+  if layout is None:
+    return new
+  spec = explicit_spec(old)
+  if spec is not None:
+    return reshard_to(new, spec)
+  spec = data_spec(tuple(old.shape), layout.mesh, layout.data_axis)
+  return jax.lax.with_sharding_constraint(new, NamedSharding(layout.mesh, spec))
 
 
 def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) -> jax.Array:
@@ -307,11 +342,11 @@ def _per_shard(stacks: list[jax.Array], groups: list[_Groups], select: RowSelect
                                                        layout is not None))),
                     layout, tuple(specs), (tuple(index_specs), tuple(specs)))
   indices, compact = choose(*stacks)
-  wides = [_wide(c) for c in compact]
+  wides = [wide_stack(c, _STACK_VIEW) for c in compact]
   wide_specs = [P(s[0], s[2], s[1]) if w.transposed else s for w, s in zip(wides, specs)]
   results = solver(wides, [w.stack for w in wides], None,
                    specs=wide_specs if layout is not None else None)
-  results = [jnp.swapaxes(r, -1, -2) if w.transposed else r for w, r in zip(wides, results)]
+  results = [unwide(r, w) for w, r in zip(wides, results)]
 
   def scatter(*args):
     chosen, index = args[:len(stacks)], args[len(stacks):]
@@ -326,8 +361,3 @@ def _per_shard(stacks: list[jax.Array], groups: list[_Groups], select: RowSelect
   full = _on_mesh(scatter, layout, (*specs, *index_specs), tuple(specs))(
       *[r.astype(m.dtype) for r, m in zip(results, stacks)], *indices)
   return list(full)
-
-
-def _wide(chosen: jax.Array) -> _Wide:
-  tall = chosen.shape[-2] > chosen.shape[-1]
-  return _Wide(jnp.swapaxes(chosen, -1, -2) if tall else chosen, _STACK_VIEW, tall)

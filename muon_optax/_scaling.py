@@ -4,14 +4,14 @@ every shape, or by the dual norm of the momentum (adaptive / PolarGrad)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import jax.numpy as jnp
 import optax
 
 from muon_optax._placement.shardings import explicit_spec, reshard_to
 from muon_optax._routing.matrix_view import matrix_view_of
-from muon_optax._routing.value import as_routing
+from muon_optax._routing.value import RoutingLike, as_routing
 from muon_optax._util import paths
 
 SCALES = ("jordan", "moonlight", None)
@@ -28,7 +28,7 @@ def shape_factor(scale: Optional[str], fan_in: int, fan_out: int) -> float:
   raise ValueError(f"unknown scale {scale!r}; choose one of {list(SCALES)}.")
 
 
-def scale_by_shape(scale: Optional[str] = "jordan", *, routing: Any = None
+def scale_by_shape(scale: Optional[str] = "jordan", *, routing: RoutingLike = None
                    ) -> optax.GradientTransformation:
   """Multiplies each Muon update by a factor of its matrix view's (fan_in, fan_out).
 
@@ -62,7 +62,7 @@ def scale_by_shape(scale: Optional[str] = "jordan", *, routing: Any = None
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def scale_by_dual_norm(orthogonalizer: optax.GradientTransformation, *, routing: Any = None
+def scale_by_dual_norm(orthogonalizer: optax.GradientTransformation, *, routing: RoutingLike = None
                        ) -> optax.GradientTransformation:
   """O ← ⟨M, O⟩ · O per matrix, where O is `orthogonalizer`'s output for the input M.
 

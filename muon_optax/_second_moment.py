@@ -4,16 +4,18 @@ element (AdaMuon), and the rescaling that restores the update's size after it.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from muon_optax._direction import Chain, Component, Shared
 from muon_optax._placement.shardings import explicit_spec, kept_spec, reshard_to
+from muon_optax._routing.matrix_leaves import MatrixLeaves
 from muon_optax._routing.matrix_view import MatrixView, matrix_view_of
-from muon_optax._routing.value import as_routing
+from muon_optax._routing.value import RoutingLike, as_routing
 from muon_optax._util import paths, validate
 
 OVER = ("neurons", "elements")
@@ -34,7 +36,7 @@ def _statistic_shape(view: MatrixView, shape: tuple[int, ...], over: str) -> tup
 
 
 @dataclasses.dataclass(frozen=True)
-class SecondMoment:
+class SecondMoment(Component):
   """The settings of `scale_by_second_moment`, one value, as `scale_by_muon(normalize=...)`
   takes them: NorMuon is `SecondMoment("neurons", b2=0.95, eps=1e-10, rescale="norm")`,
   AdaMuon `SecondMoment("elements", b2=0.999, eps=1e-8, rescale="rms")`. Checked when
@@ -50,10 +52,18 @@ class SecondMoment:
   eps: ArrayLike = 1e-8
   rescale: str = "norm"
   selected_only: bool = False
+  stage: ClassVar[str] = "normalize"
 
-  def transform(self, routing: Any = None) -> optax.GradientTransformation:
+  @property
+  def gathers(self) -> bool:
+    return True  # a statistic of sharded state
+
+  def transform(self, routing: RoutingLike = None) -> optax.GradientTransformation:
     return scale_by_second_moment(self.over, b2=self.b2, eps=self.eps, rescale=self.rescale,
                                   selected_only=self.selected_only, routing=routing)
+
+  def extend(self, chain: Chain, shared: Shared) -> Chain:
+    return (*chain, self.transform(shared.routing))
 
 
 def scale_by_second_moment(
@@ -63,7 +73,7 @@ def scale_by_second_moment(
     eps: ArrayLike = 1e-8,
     rescale: str = "norm",
     selected_only: bool = False,
-    routing: Any = None,
+    routing: RoutingLike = None,
 ) -> optax.GradientTransformation:
   """Normalizes an orthogonalized update O by a running second moment, then rescales it.
 
@@ -121,10 +131,7 @@ def scale_by_second_moment(
   def init_fn(params):
     return SecondMomentState(jnp.zeros([], jnp.int32), paths.map_with_path(init_leaf, params))
 
-  def update_leaf(path, o, v, count):
-    if o.size == 0:  # no matrix to normalize: a zero update, an untouched statistic
-      return o, v
-    view = matrix_view_of(views, path, o).normalize(o.ndim)
+  def update_leaf(view, o, v, count):
     x = o.astype(v.dtype)
     square = x * x
     if over == "neurons":
@@ -153,12 +160,11 @@ def scale_by_second_moment(
   def update_fn(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=paths.is_masked)
-    out, nu = [], []
-    for (path, o), v in zip(flat, treedef.flatten_up_to(state.nu)):
-      o, v = (o, v) if paths.is_masked(o) else update_leaf(paths.path_str(path), o, v, count)
-      out.append(o)
-      nu.append(v)
-    return treedef.unflatten(out), SecondMomentState(count, treedef.unflatten(nu))
+    # Empty leaves are not live: a zero update, an untouched statistic.
+    leaves = MatrixLeaves.of(updates, views)
+    pairs = [update_leaf(view, o, v, count) for view, o, v in
+             zip(leaves.views, leaves.arrays(), leaves.pick(state.nu))]
+    return (leaves.put([o for o, _ in pairs]),
+            SecondMomentState(count, leaves.put([v for _, v in pairs], state.nu)))
 
   return optax.GradientTransformation(init_fn, update_fn)

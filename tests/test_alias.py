@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_trees_close, float32_bound
+from _helpers import assert_trees_close, float32_bound, rel
 
 import muon_optax as mo
 from muon_optax._util import paths
@@ -321,3 +321,29 @@ def test_the_family_is_one_builder_with_component_values():
     np.testing.assert_array_equal(got["w"], want["w"])
   with pytest.raises(ValueError, match="scale='adaptive' and normalize= are two ways"):
     mo.scale_by_muon(scale="adaptive", normalize=mo.SecondMoment())
+
+
+@pytest.mark.parametrize("make", [mo.muon, mo.dion2, mo.nordion2])
+def test_an_update_without_params_is_checked_against_the_state(make):
+  # Without params the gradients are checked against the state tree that mirrors them:
+  # Muon's momentum, or Dion2's buffer (Dion2 has no momentum), and a mismatch is named.
+  params = {"w": jnp.ones((8, 16)), "b": jnp.zeros(16)}
+  tx = make(0.02)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="'w'"):
+    tx.update({"w": jnp.ones((8, 8)), "b": params["b"]}, state)
+
+
+def test_ns_array_under_inject_hyperparams():
+  params = {"w": {"kernel": jax.random.normal(jax.random.key(0), (4, 8))}}
+  ns = np.tile(np.asarray(mo.PRESETS["jordan"][0][0]), (5, 1))
+  tx = optax.inject_hyperparams(mo.muon)(learning_rate=0.02, ns=ns)
+  u, _ = jax.jit(tx.update)(params, tx.init(params), params)
+  ref = mo.muon(0.02, ns=mo.NewtonSchulz("jordan", steps=5))
+  ur, _ = ref.update(params, ref.init(params), params)
+  # Same maths; only the coefficients' float32 vs float64 rounding differs.
+  assert rel(u["w"]["kernel"], ur["w"]["kernel"]) < 2 * float32_bound(
+      mo.NewtonSchulz("jordan", steps=5))
+  bad = optax.inject_hyperparams(mo.muon)(ns=np.ones((5, 2)))
+  with pytest.raises(ValueError, match=r"shape \(n, 3\).*\(5, 2\)"):
+    jax.jit(bad.update)(params, bad.init(params), params)

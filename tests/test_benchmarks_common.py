@@ -83,6 +83,21 @@ def test_optax_orthogonalize_runs_the_jordan_iteration_ours_does():
   assert 0.1 < common.polar_error(ours, polar) < 0.3  # jordan's band is not 1
 
 
+@pytest.mark.parametrize("shape, dtype", [((16, 40), "float32"), ((40, 16), "float32"),
+                                          ((3, 16, 40), "float32"), ((2, 24, 24), "bfloat16")])
+def test_optax_orthogonalize_is_optax_contribs_own_iteration_to_the_bit(shape, dtype):
+  # The reference: the iteration optax.contrib.muon calls, private in optax 0.2.8.
+  from optax.contrib._muon import orthogonalize_via_newton_schulz
+  x = jax.random.normal(jax.random.key(1), shape).astype(dtype)
+  coeffs = mo.PRESETS["polar_express"].table[:5]
+  dims = None if x.ndim == 2 else optax.contrib.MuonDimensionNumbers(1, 2)
+  want = jax.jit(lambda x: orthogonalize_via_newton_schulz(x, jnp.asarray(coeffs), 5,
+                                                             dimension_numbers=dims))(x)
+  got = jax.jit(lambda x: common.optax_orthogonalize(x, coeffs, 5))(x)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_parse_shapes_and_spectrum():
   assert common.parse_shapes("768x3072,12X768x768", 0.25) == [(192, 768), (12, 192, 192)]
   s = np.linalg.svd(np.asarray(common.with_spectrum((8, 20), 1e-3)), compute_uv=False)

@@ -124,6 +124,17 @@ def test_bad_settings_are_named():
     mo.scale_by_muon(blocks=mo.BlockPeriodic(devices=2), scale="adaptive")
 
 
+def test_a_device_count_other_than_the_meshs_is_refused():
+  # On a mesh the blocks are its devices' shards: 8 blocks on 4 devices would silently
+  # be 4. The same count, or None, is the mesh's.
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match=r"BlockPeriodic\(devices=8\) on a mesh whose data "
+                     r"axes hold 4 devices.*devices=None.*mesh=None"):
+    mo.muonbp(blocks=mo.BlockPeriodic(devices=8), mesh=mesh)
+  for devices in (4, None):
+    mo.muonbp(blocks=mo.BlockPeriodic(devices=devices), mesh=mesh)
+
+
 def test_block_steps_on_a_mesh_run_in_parts_in_bounded_memory():
   # 16 layers of 4 kernels at width 256 on 8 devices: each device's blocks of all 64
   # leaves. Run in MeshLayout.exchanges parts one after another, one part's Newton–Schulz

@@ -56,20 +56,34 @@ def test_uncommitted_params_next_to_offloaded_state_are_a_warning():
     mo.muon(adam=mo.AuxAdam(backend="offload")).init(make_params())
 
 
-@pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
-def test_a_plain_jitted_update_on_eight_devices_compiles_once(types, layout):
+def mesh_compilations(make, types: AxisType, layout: str) -> int:
+  """Compilations of a plain `jax.jit(tx.update)` over 3 steps on 8 devices, the state
+  laid out by `state_shardings` (as the docs write it)."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(types,))
   params = make_params()
   shardings = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
                else mo.fsdp_shardings(params, mesh))
   params = jax.device_put(params, shardings)
-  tx = mo.muon(mesh=mesh)
+  tx = make(mesh=mesh)
   state = jax.jit(tx.init, out_shardings=mo.state_shardings(tx, params, mesh))(params)
   update = jax.jit(tx.update)
   for _ in range(3):
     _, state = update(params, state, params)
-  assert update._cache_size() == 1
+  return update._cache_size()
+
+
+@pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_a_plain_jitted_update_on_eight_devices_compiles_once(types, layout):
+  assert mesh_compilations(mo.muon, types, layout) == 1
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+@pytest.mark.parametrize("make", [mo.dion2, mo.nordion2])
+def test_row_selection_buffers_keep_their_layout_and_compile_once(make, layout):
+  # The error-feedback buffer is computed from the exchange's results: it must come
+  # back laid out as the state it replaces, or step 2 sees a new input layout.
+  assert mesh_compilations(make, AxisType.Auto, layout) == 1
 
 
 def test_state_can_be_split_over_two_data_axes():

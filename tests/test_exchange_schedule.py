@@ -1,27 +1,32 @@
 """The static plan of one exchange on its own: no mesh, no compile (the exchange that
-runs it is tested on 8 devices in test_distributed.py)."""
+runs it is tested on 8 devices in test_sharded_ns_solver.py)."""
 
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS as NS
+from muon_optax._placement.mesh_layout import EXCHANGES
 from muon_optax._sharded_ns.exchange_schedule import (
   ExchangePlan,
   Span,
   Unit,
+  buffer_elements,
+  exchanges_by_need,
   out_slice,
   piece,
   slice_width,
+  split_into_exchanges,
   unit_size,
+  unit_work,
   units,
 )
-from muon_optax._sharded_ns.rounds import Round
+from muon_optax._sharded_ns.rounds import Round, plan_rounds
 from muon_optax._sharded_ns.split_cost import (
   PRODUCT_CHUNKS,
   WHOLE_PRODUCTS_SHARE,
   split_collectives,
   working_set,
 )
-from muon_optax._sharded_ns.stack_shards import Layout
+from muon_optax._sharded_ns.stack_shards import StackShards
 
 DEVICES = 8
 
@@ -30,14 +35,14 @@ def columns(rows, cols, replicas=1):
   """A stack's layout with its columns split over the devices (each block replicated
   over `replicas` consecutive devices)."""
   blocks = DEVICES // replicas
-  return Layout(P(None, None, "d"), (1, blocks), (rows, cols // blocks), replicas,
+  return StackShards(P(None, None, "d"), (1, blocks), (rows, cols // blocks), replicas,
                 tuple((0, s // replicas, s % replicas) for s in range(DEVICES)))
 
 
 def in_rows(rows, cols):
   """A stack's layout with its rows split over the devices: a column part of it is a
-  slice of every block, never whole blocks (`by_blocks`)."""
-  return Layout(P(None, "d", None), (DEVICES, 1), (rows // DEVICES, cols), 1,
+  slice of every block, never whole blocks (`takes_whole_shards`)."""
+  return StackShards(P(None, "d", None), (DEVICES, 1), (rows // DEVICES, cols), 1,
                 tuple((s, 0, 0) for s in range(DEVICES)))
 
 
@@ -49,12 +54,13 @@ def partial(rows, cols, stack, first, count, split=1):
   return Round(rows, cols, tuple(slots), split)
 
 
-def test_pieces_are_a_blocks_slices_split_between_its_replicas():
-  lay = columns(16, 64)  # 16×8 blocks
-  assert (slice_width(lay, 1), slice_width(lay, 3), piece(lay, 1), piece(lay, 3)) == (8, 3, 128, 48)
+def test_pieces_are_a_shards_slices_split_between_its_replicas():
+  shards = columns(16, 64)  # 16×8 shards
+  assert (slice_width(shards, 1), slice_width(shards, 3)) == (8, 3)
+  assert (piece(shards, 1), piece(shards, 3)) == (128, 48)
   assert piece(columns(16, 64, replicas=2), 1) == 16 * 16 // 2
-  assert out_slice(lay, columns(16, 64, replicas=2), 1) == 16
-  assert out_slice(lay, columns(16, 64, replicas=2), 2) == 4  # the input's slices
+  assert out_slice(shards, columns(16, 64, replicas=2), 1) == 16
+  assert out_slice(shards, columns(16, 64, replicas=2), 2) == 4  # the input's slices
 
 
 def test_rounds_on_disjoint_devices_share_a_slot_as_wide_as_their_widest_piece():
@@ -108,13 +114,13 @@ def test_a_buffer_is_filled_in_segments_of_devices_that_lie_in_one_span_of_every
 
 
 def test_rounds_on_the_same_devices_and_block_wise_rounds_keep_slots_of_their_own():
-  # Stack 0's 3-column blocks split over pairs take whole blocks (`by_blocks`): its
+  # Stack 0's 3-column blocks split over pairs take whole blocks (`takes_whole_shards`): its
   # parts travel apart, in an all-to-all of their own.
   ins = [columns(16, 24), columns(16, 64), columns(16, 64)]
   rounds = [partial(16, 24, 0, 0, 2, split=2), partial(16, 64, 1, 4, 2),
             partial(16, 64, 2, 5, 2)]
   plan = ExchangePlan.of(rounds, ins, ins, gather=False, devices=DEVICES)
-  assert plan.blockwise == {0} and plan.width[0] == 0
+  assert plan.whole_shards == {0} and plan.width[0] == 0
   assert plan.slots == [[0], [1], [2]]
   assert plan.start[1:] == [0, 128]
 
@@ -129,8 +135,8 @@ def test_split_rounds_of_a_kind_run_together_as_many_as_fit_the_budget():
   two = 2 * working_set(16, 64, 2)
   assert order(two) == [[0], [1, 3], [2], [4], [5]]
   assert order(two - 1) == [[0], [1], [2], [3], [4], [5]]
-  # 16 rows: never formed in blocks (`product_chunks`), whatever the budget.
-  assert {unit.chunks for unit in units(rounds, two - 1)} == {1}
+  # 16 rows: never formed in blocks (`most_product_chunks`), whatever the budget.
+  assert {unit.product_chunks for unit in units(rounds, two - 1)} == {1}
 
 
 # Llama-3-8B's gate/up/down shape, wide, split over 32 devices: with its m×m products
@@ -139,9 +145,9 @@ BIG = (4096, 14336, 32)
 
 
 def test_a_unit_forms_its_products_whole_where_that_fits_and_launches_fewer_collectives():
-  blocked, whole = working_set(*BIG), working_set(*BIG, chunks=1)
+  blocked, whole = working_set(*BIG), working_set(*BIG, product_chunks=1)
   assert whole > blocked
-  per = lambda chunks: split_collectives(*BIG, NS, chunks=chunks)
+  per = lambda chunks: split_collectives(*BIG, NS, product_product_chunks=chunks)
   assert per(1) < per(PRODUCT_CHUNKS) < 4 * per(1)
   # No cap: every round in one unit, products whole.
   assert unit_size(*BIG, 3, None, NS) == (3, 1)
@@ -166,3 +172,33 @@ def test_units_carry_their_kind_s_blocks_and_rounds_of_whole_matrices_none():
   got = units(rounds, blocked, NS)
   assert got == [Unit([0], 1), Unit([1], PRODUCT_CHUNKS), Unit([2], PRODUCT_CHUNKS)]
   assert units(rounds, None, NS) == [Unit([0], 1), Unit([1, 2], 1)]
+
+
+def test_exchanges_by_need_one_where_the_buffers_fit_beside_the_largest_unit():
+  # 32 matrices 64×128 on 8 devices: 4 whole rounds, each a slot of its own.
+  stacks = [columns(64, 128)]
+  rounds = plan_rounds([(32, 64, 128)], DEVICES)
+  assert len(rounds) == 4
+  need = lambda budget: exchanges_by_need(rounds, stacks, stacks, False, budget)
+  work = max(unit_work(rounds, unit) for unit in units(rounds, None))
+  assert work == 2 * 64 * 128 + 4 * 64 * 64  # one whole matrix (`working_set`)
+  # One exchange's buffers: every matrix of a device's round in and back, 4 rounds.
+  whole = buffer_elements(ExchangePlan.of(rounds, stacks, stacks, False, DEVICES), False)
+  assert whole == 2 * 4 * 64 * 128
+  assert need(None) == 1 and need(whole + work) == 1
+  assert need(whole + work - 1) == 2  # each half of the rounds: half the buffers
+  assert need(whole / 2 + work - 1) == EXCHANGES  # a quarter fits: the most
+  assert need(work) == EXCHANGES  # nothing fits: the most
+  # Gathered, every device receives every result: n times the results it owns.
+  gathered = buffer_elements(ExchangePlan.of(rounds, stacks, stacks, True, DEVICES), True)
+  assert gathered == 4 * 64 * 128 * (1 + DEVICES)
+
+
+def test_exchanges_are_capped_by_the_rounds():
+  # Rounds that share devices travel together: 4 rounds make at most 4 exchanges, so a
+  # count of 8 (`MeshLayout(exchanges=8)`) cuts them exactly as 4 does.
+  rounds = plan_rounds([(32, 64, 128)], DEVICES)
+  assert split_into_exchanges(rounds, 8) == split_into_exchanges(rounds, 4)
+  assert [len(part) for part in split_into_exchanges(rounds, 8)] == [1] * 4
+  stacks = [columns(64, 128)]
+  assert exchanges_by_need(rounds[:2], stacks, stacks, False, 1.0) == 2  # nothing fits

@@ -44,6 +44,22 @@ def test_a_product_cut_into_equal_blocks_is_one_matrix_per_block(cut):
   assert "split into 3 × 16×16" in mo.describe(params, routing=routing)
 
 
+def test_a_view_given_in_place_of_the_blocks_is_the_one_described():
+  """views= keeping a fused kernel whole: the table's view and its why both say so."""
+  params = {"emb": jnp.ones((10, D)), "qkv": jnp.ones((D, 3 * D)), "head": jnp.ones((D, 10))}
+
+  def f(p, ids):
+    q, k, v = jnp.split(embed(p, ids) @ p["qkv"], 3, axis=-1)
+    return (jax.nn.softmax(q @ k.T) @ v) @ p["head"]
+
+  whole = lambda path, shape: mo.MatrixView((), (0,), (1,)) if path == "qkv" else None
+  routing = mo.infer_routing(f, params, jnp.zeros(4, int), views=whole)
+  [row] = [line for line in mo.describe(params, routing=routing).splitlines()
+           if line.startswith("qkv ")]
+  assert "split" not in row and row.count("16×48") == 3, row  # shape, view, why
+  assert row.endswith("dot_general → 16×48 (view given)"), row
+
+
 @pytest.mark.parametrize("use", ["whole too", "unequal cuts", "a part unused"])
 def test_any_other_use_keeps_the_matrix_whole(use):
   params = {"emb": jnp.ones((10, D)), "w": jnp.ones((D, 2 * D)), "head": jnp.ones((D, 10))}

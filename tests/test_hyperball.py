@@ -20,6 +20,7 @@ from family_case import (
   polar64,
   run_on_one_and_eight,
 )
+from jax.sharding import AxisType
 
 import muon_optax as mo
 
@@ -95,6 +96,22 @@ def test_a_zero_matrix_is_named_and_a_schedule_steps():
   assert int(state.count) == 1
   with pytest.raises(ValueError, match="needs the params"):
     tx.update(params, state)
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_a_zero_matrix_is_named_under_jit_too(on_mesh):
+  # How the docs initialize state on a mesh: the params are traced, so the norm is known
+  # only when the init runs; it must not pass silently (the matrix would stay 0).
+  params = {"fc": {"kernel": jnp.zeros((8, 16))}, "b": jnp.zeros(16)}
+  tx, out = mo.muonh(), None
+  if on_mesh:
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    tx = mo.muonh(mesh=mesh)
+    out = mo.state_shardings(tx, params, mesh)
+  with pytest.raises(Exception, match="fc/kernel: a matrix of norm zero"):
+    jax.block_until_ready(jax.jit(tx.init, out_shardings=out)(params))
+  params["fc"]["kernel"] = jnp.ones((8, 16))
+  jax.block_until_ready(jax.jit(tx.init, out_shardings=out)(params))  # nonzero: no error
 
 
 def test_checkpoint_and_offload(tmp_path):

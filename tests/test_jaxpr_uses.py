@@ -1,6 +1,6 @@
 """The jaxpr walk alone: what each use of a parameter leaf is, which axes it holds
 through layout ops, which leaves end a computation, and which products are only ever cut
-into equal blocks. `infer_routing` builds its decisions on these (test_trace_routing*)."""
+into equal blocks. `infer_routing` builds its decisions on these (test_routing_trace*)."""
 
 import jax
 import jax.numpy as jnp

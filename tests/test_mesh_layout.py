@@ -24,6 +24,11 @@ def test_mesh_layout_is_checked_when_built():
       mo.MeshLayout(mesh, memory=bad)
   assert mo.MeshLayout(mesh, memory=1.5).memory == 1.5
   assert mo.MeshLayout(mesh, memory=math.inf).memory == math.inf  # no cap
+  assert mo.MeshLayout(mesh).exchanges is None  # as many as memory needs
+  assert mo.MeshLayout(mesh, exchanges=2).exchanges == 2
+  for bad in (0, True, 2.0):
+    with pytest.raises(ValueError, match=r"exchanges=.* must be a positive integer, or None"):
+      mo.MeshLayout(mesh, exchanges=bad)
   with pytest.raises(ValueError, match="mesh= takes a jax.sharding.Mesh or a muon_optax.MeshLayout"):
     mo.muon(0.02, mesh="data")
 

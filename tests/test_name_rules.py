@@ -1,8 +1,10 @@
 """Name rules: routing by tree path, anchored on whole path components."""
 
+import warnings
 
 import jax
 import jax.numpy as jnp
+import linen_lm_case
 import numpy as np
 import optax
 import pytest
@@ -72,3 +74,70 @@ def test_a_bad_regex_names_the_rule():
     mo.Routing.from_rules([("[", "adam")])
   with pytest.raises(ValueError, match=r"routing rule 'adam' must be"):
     mo.label_params({"w": jnp.zeros((2, 2))}, rules=["adam"])
+
+
+@pytest.mark.parametrize("path", [
+    "blocks_0/CausalAttn_0/attn_out_proj/kernel", "attn/out_proj/kernel",
+    "self_attn/o_proj/kernel", "attention/wo/kernel", "attn_output/kernel", "mha/out/kernel"])
+def test_an_output_projection_of_heads_is_one_matrix(path):
+  """(heads, head_dim, d_model) under an output projection's common names: (heads·head_dim)
+  × d_model, as its inputs q, k, v are d_model × (heads·head_dim); a stacked MLP kernel
+  stays a stack."""
+  assert mo.default_view(path, (4, 32, 128)) == mo.MatrixView((), (0, 1), (2,))
+  assert mo.default_view(path, (2, 4, 32, 128)) == mo.MatrixView((0,), (1, 2), (3,))
+  assert mo.default_view("mlp/Dense_1/kernel", (4, 32, 128)) == mo.MatrixView((0,), (1,), (2,))
+
+
+def test_a_linen_lm_named_as_nanodo_names_it():
+  """The name rules see nanodo's attention as the computation does: each projection one
+  128×128 matrix (its q, k, v, and attn_out_proj, which was 4 × (32×128))."""
+  model, params, tokens = linen_lm_case.model_and_params()
+  by_name = mo.Routing.from_rules()
+  inferred = mo.infer_routing(model.apply, {"params": params}, tokens)
+  for path, leaf in leaves_with_path(params):
+    if by_name.labels({path: leaf})[path] == "muon":
+      view = by_name.view(path, leaf.shape)
+      assert view.matrix_shape(leaf.shape) == inferred.view(path, leaf.shape).matrix_shape(
+          leaf.shape), path
+  out_proj = by_name.view("blocks_0/CausalAttn_0/attn_out_proj/kernel", (4, 32, 128))
+  assert out_proj.matrix_shape((4, 32, 128)) == (1, 128, 128)
+
+
+def _warnings_of(fn):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fn()
+  return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_views_guessed_from_names_are_flagged_and_warned_about_once():
+  """A leaf of rank ≥ 3 whose view comes from its name alone is marked in describe, and
+  building the state warns once, naming infer_routing; read from the computation, or
+  given by views=, it is neither."""
+  model, params, tokens = linen_lm_case.model_and_params()
+  guessed = {p for p, x in leaves_with_path(params) if x.ndim == 3}
+  rows = {line.split()[0]: line for line in mo.describe(params).splitlines()[2:] if line}
+  for path in guessed:
+    assert rows[path].endswith("name → weight, view by name (!)"), rows[path]
+  assert "Dense_0/kernel" in rows["blocks_0/Mlp_0/Dense_0/kernel"]
+  assert "(!)" not in rows["blocks_0/Mlp_0/Dense_0/kernel"]
+  assert any(line.startswith("(!) ") and "infer_routing" in line for line in rows.values())
+  [message] = _warnings_of(lambda: mo.muon(0.02).init(params))
+  assert message.startswith(f"{len(guessed)} parameter(s) (blocks_0/CausalAttn_0/attn_out_proj")
+  assert "infer_routing" in message
+  inferred = mo.infer_routing(model.apply, {"params": params}, tokens)
+  views = mo.Routing.from_rules(views=lambda path, shape: mo.default_view(path, shape))
+  for routing in (inferred, views):
+    assert "(!)" not in mo.describe(params, routing=routing)
+    assert _warnings_of(lambda: mo.normuon(0.02, routing=routing).init(params)) == []
+
+
+def test_an_override_the_computation_gives_no_view_is_flagged():
+  params = {"w": jnp.ones((2, 4, 4)), "v": jnp.ones((4, 4))}
+  f = lambda p, x: jnp.sum(p["w"]) * (x @ p["v"])  # w elementwise only: no view read
+  routing = mo.infer_routing(f, params, jnp.ones((3, 4)), overrides=[("^w$", "muon")])
+  [row] = [line for line in mo.describe(params, routing=routing).splitlines()
+           if line.startswith("w ")]
+  assert row.endswith("override '^w$', view by name (!)"), row
+  [message] = _warnings_of(lambda: mo.muon(0.02, routing=routing).init(params))
+  assert message.startswith("1 parameter(s) (w)")

@@ -85,3 +85,23 @@ def test_bad_settings_are_clear_errors_where_ns_is_taken():
       make("fast")
     with pytest.raises(ValueError, match=r"NewtonSchulz\(fn=...\)"):
       make(svd_polar)
+
+
+def test_mesh_plan_reports_the_rounds_and_flops_a_mesh_runs():
+  # 12 matrices 64×256 on 8 devices: a round of 8 whole, then 4 left. Priced at a TPU's
+  # traffic they stay whole (a split's collectives cost more than it saves): 2 whole
+  # matrices' flops on the busiest device. With traffic free they are split over pairs,
+  # whose m×m products are split by rows too: half a matrix each, the ideal.
+  params = {f"l{i}": {"kernel": jnp.ones((256, 64))} for i in range(12)}  # tall: as 64×256
+  whole = mo.newton_schulz_plan((64, 256)).flops
+  plan = mo.mesh_plan(params, 8)
+  assert plan.rounds == ((64, 256, 1), (64, 256, 1))
+  assert plan.flops_per_device == 2 * whole and plan.ideal_flops_per_device == 12 * whole / 8
+  free = mo.mesh_plan(params, 8, flops_per_byte=0)
+  assert free.rounds == ((64, 256, 1), (64, 256, 2))
+  assert free.flops_per_device == whole + whole // 2 == free.ideal_flops_per_device
+  # A memory cap of a tenth of the state shard splits every matrix, over 8 devices.
+  capped = mo.mesh_plan(params, 8, memory=0.1)
+  assert {split for *_, split in capped.rounds} == {8}
+  # Non-Muon leaves (a bias) and the routing's views are read as `muon` reads them.
+  assert mo.mesh_plan({**params, "b": jnp.ones(64)}, 8) == plan

@@ -6,8 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_trees_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from sharded_case import compiled_update, gpt2_small_tree, placed, run_steps, small_tree
 
 import muon_optax as mo
 from benchmarks.hlo import collective_stats
@@ -95,3 +97,40 @@ def test_without_replicated_params_it_is_the_inner_transform():
   mesh = mesh_of((8,), ("data",))
   inner = optax.adam(1e-2)
   assert with_packed_gather(inner, mo.MeshLayout(mesh, params="sharded")) is inner
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_packed_gather_matches_single_device(layout):
+  mesh, params = mesh_of((8,), ("data",)), small_tree()
+  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
+            else mo.fsdp_shardings(params, mesh))
+  # muon(mesh=...) wraps its AdamW branch in with_packed_gather.
+  tx = lambda mesh=None: mo.muon(0.05, weight_decay=0.01, mesh=mesh,
+                                 adam=mo.AuxAdam(1e-2, backend="optax"))
+  want_p, want_s = run_steps(tx(), params, 5)
+  got_p, got_s = run_steps(tx(placed(mesh, layout)), params, 5, (mesh, pshard))
+  assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
+  # The state is the AdamW transform's own: same structure as without a mesh.
+  plain = mo.muon(0.05, adam=mo.AuxAdam(1e-2, backend="optax")).init(params)
+  assert jax.tree.structure(got_s) == jax.tree.structure(plain)
+  assert_trees_close(got_s, want_s, rtol=0, atol=1e-5)
+
+
+def test_packed_gather_gathers_every_adam_update_at_once():
+  # Biases and norms of 2 GPT-2 blocks: ZeRO-1 gathers each AdamW update on its own,
+  # unless with_packed_gather packs them.
+  params, mesh, d = gpt2_small_tree(layers=2, d=128), mesh_of((8,), ("data",)), 128
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  small = {k: {"qkv_bias": s(3 * d), "fc_bias": s(4 * d), "ln": {"scale": s(d), "bias": s(d)}}
+           for k in params}
+  count = lambda tx, tree: sum(c for c, _ in collective_stats(
+      compiled_update(tx, tree, mesh, "zero1").as_text()).values())
+  adam = mo.AuxAdam(backend="optax").transform()
+  assert count(adam, small) >= 8
+  assert count(with_packed_gather(adam, placed(mesh, "zero1")), small) == 1
+  muon = mo.muon(0.02, mesh=placed(mesh, "zero1"), adam=mo.AuxAdam(backend="optax"))
+  without = count(muon, params)
+  for name, block in params.items():
+    block.update(small[name])
+  # All of their AdamW updates cost one packed gather more than none.
+  assert count(muon, params) == without + 1

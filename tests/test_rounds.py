@@ -1,11 +1,12 @@
 """The distributed Newton–Schulz plan on its own: no mesh, no compile (the exchange that
-runs it is tested on 8 devices in test_distributed.py and for TPU in test_tpu_compile.py)."""
+runs it is tested on 8 devices in test_sharded_ns_solver.py and for TPU in test_tpu_compile.py)."""
 
 
 import pytest
+from sharded_case import FLOPS_ALONE
 
 import muon_optax as mo
-from muon_optax._newton_schulz.variant import newton_schulz_flops
+from muon_optax._newton_schulz.variant import newton_schulz_flops, newton_schulz_plan
 from muon_optax._sharded_ns.rounds import SPLIT_TOLERANCE, Round, per_device_flops, placed, plan_rounds
 from muon_optax._sharded_ns.split_cost import memory_budget, split_collectives, working_set
 
@@ -25,7 +26,9 @@ def covers_every_matrix_once(shapes, rounds):
 
 
 def ideal(shapes, devices):
-  return sum(c * newton_schulz_flops(m, n, NS) for c, m, n in shapes) / devices
+  """Every device's equal share, counted as the plan weighs matrices: whole products."""
+  return sum(c * newton_schulz_plan((m, n), NS, symmetric=False).flops
+             for c, m, n in shapes) / devices
 
 
 def test_shapes_never_share_a_round_and_every_matrix_runs_once():
@@ -168,3 +171,14 @@ def test_the_default_budget_splits_a_70b_s_largest_matrices_until_their_work_fit
   fits = all(working_set(r.rows, r.cols, r.split) <= budget for r in unbounded)
   assert fits == (devices == 256)
   assert (rounds == unbounded) == fits
+
+
+def test_groups_smaller_than_the_mesh_split_instead_of_padding():
+  # 4 matrices of one shape and 4 of another on 8 devices: each shape in a round of its
+  # own, split over pairs, all busy; no matrix is padded to the other's shape.
+  rounds = plan_rounds([(4, 64, 256), (4, 64, 64)], 8, flops_per_byte=FLOPS_ALONE)
+  assert [(r.rows, r.cols, r.split) for r in rounds] == [(64, 256, 2), (64, 64, 2)]
+  assert all(None not in r.slots for r in rounds)
+  flops = per_device_flops([(4, 64, 256), (4, 64, 64)], 8, flops_per_byte=FLOPS_ALONE)
+  assert flops == (newton_schulz_flops(64, 256) + newton_schulz_flops(64, 64)) // 2
+  assert flops < newton_schulz_flops(64, 256)  # what one shared, padded round costs

@@ -52,6 +52,8 @@ def smallest(module: str, tmp: pathlib.Path) -> Optional[list[str]]:
                                    "--vocab", "64", "--seq-len", "16", "--repeats", "1"],
       "benchmarks.newton_schulz": ["--shapes", "2x16x48", "--reps", "2", "--peak-n", "64"],
       "benchmarks.newton_schulz_criterion": ["--shapes", "16x48"],
+      "benchmarks.newton_schulz_symmetric": ["--shapes", "16x48", "--blocks", "2", "--reps",
+                                             "2", "--flops-only", "32x96"],
       "benchmarks.newton_schulz_gram": ["--shapes", "16x48", "--dtypes", "float32", "--m",
                                         "16", "--aspects", "3", "--reps", "2"],
       "benchmarks.newton_schulz_precision": ["--count", "3", "--shapes", "16x48", "--presets",
@@ -144,6 +146,26 @@ def test_newton_schulz_times_every_arm(tmp_path, capsys):
   check_report(out, "benchmarks.newton_schulz", argv)
   assert_timed(out)
   assert out.count("| 2×16×48 | ") == 12 + 2 + 1  # ours, optax's, the peak
+
+
+def test_optimizer_step_times_chosen_arms_against_the_reference(tmp_path, capsys):
+  argv = smallest("benchmarks.optimizer_step", tmp_path) + ["--arms", "muon_optax.muon (defaults)"]
+  from benchmarks import optimizer_step
+  [times] = optimizer_step.main(argv).values()
+  assert list(times) == ["muon_optax.muon (defaults)", "optax.contrib.muon"]
+  assert_timed(capsys.readouterr().out)
+
+
+def test_newton_schulz_symmetric_times_and_counts_every_arm(tmp_path, capsys):
+  argv = smallest("benchmarks.newton_schulz_symmetric", tmp_path)
+  from benchmarks import newton_schulz_symmetric
+  newton_schulz_symmetric.main(argv)
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.newton_schulz_symmetric", argv)
+  assert_timed(out)
+  # X Xᵀ whole and in 2 block rows, 2 loads, 4 Newton–Schulz arms; then flops alone.
+  assert out.count("| 16×48 | ") == 2 + 2 + 4
+  assert out.count("| 32×96 | cpu | ") == 2 + 4
 
 
 def test_newton_schulz_criterion_compares_every_arm(tmp_path, capsys):
@@ -390,6 +412,7 @@ def test_readme_commands_parse():
 
 # The scripts tested on a tiny configuration in files of their own.
 ELSEWHERE = {"benchmarks.checkpoint_io": "test_checkpoint_benchmark.py",
+             "benchmarks.train_step": "test_train_step.py",
              "examples.train_gpt": "test_train_gpt.py"}
 
 

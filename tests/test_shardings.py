@@ -1,9 +1,12 @@
 """The layouts the state takes and the matrix stacks read from them."""
 
 import jax
-from jax.sharding import AxisType
+import pytest
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from sharded_case import mesh_of, optimizer, small_tree
 
+import muon_optax as mo
 from muon_optax._placement.shardings import data_spec, divided_axis, stack_spec
 
 
@@ -34,3 +37,27 @@ def test_a_stack_keeps_a_split_that_leads_its_group():
   assert stack_spec(P(None, None, "data"), ((), (0, 1, 2), (3,)), False) == P(None, None, None)
   # Turned wide: rows and columns swap.
   assert stack_spec(P("data"), ((), (0,), (1,)), True) == P(None, None, "data")
+
+
+def test_state_bytes_per_device_are_an_eighth():
+  mesh, params = mesh_of(), small_tree()
+  tx = optimizer(mesh)
+  rep = jax.device_put(params, NamedSharding(mesh, P()))
+  state = jax.jit(tx.init, out_shardings=mo.state_shardings(tx, rep, mesh))(rep)
+  leaves = jax.tree.leaves(state)
+  total = sum(x.nbytes for x in leaves)
+  replicated = sum(x.nbytes for x in leaves if x.sharding.is_fully_replicated)
+  per_device = max(sum(s.data.nbytes for x in leaves for s in x.addressable_shards
+                       if s.device == d) for d in mesh.devices.flat)
+  assert replicated < 0.01 * total  # only counts and odd-sized leaves
+  assert per_device <= 1.02 * total / 8 + replicated
+
+
+def test_bad_mesh_inputs_are_clear_errors():
+  mesh, params = mesh_of(), small_tree()
+  with pytest.raises(ValueError, match="data axis 'batch' is not an axis"):
+    mo.state_shardings(optimizer(mesh), params, mesh, data_axis="batch")
+  other = mesh_of((4,))
+  placed = jax.device_put(params, NamedSharding(other, P()))
+  with pytest.raises(ValueError, match="parameter 'blocks/fc/bias' is sharded on mesh"):
+    mo.state_shardings(optimizer(mesh), placed, mesh)

@@ -1,5 +1,5 @@
 """What a split matrix costs each device, on its own: no mesh, no compile (the counts are
-checked against compiled programs in test_distributed.py)."""
+checked against compiled programs in test_sharded_ns_solver.py)."""
 
 import math
 
@@ -10,10 +10,10 @@ from muon_optax._sharded_ns.split_cost import (
   DEFAULT_MEMORY,
   MEMORY_FLOOR,
   PRODUCT_CHUNKS,
-  apply_blocks,
+  apply_chunks,
   matmul_passes,
   memory_budget,
-  product_chunks,
+  most_product_chunks,
   rows_split,
   split_flops,
   working_set,
@@ -51,13 +51,14 @@ def test_only_large_shared_matrices_form_their_products_in_blocks():
   # Blocks bound the m×m gathered for a product where it is large; a small one is
   # gathered whole (fewer collectives), and the working set counts it whole.
   big, small = CHUNKED_ABOVE_ROWS * 2, CHUNKED_ABOVE_ROWS // 2
-  assert product_chunks(big) == PRODUCT_CHUNKS and product_chunks(small) == 1
-  assert product_chunks(small, chunked_above=0) == PRODUCT_CHUNKS
+  assert most_product_chunks(big) == PRODUCT_CHUNKS and most_product_chunks(small) == 1
+  assert most_product_chunks(small, chunked_above=0) == PRODUCT_CHUNKS
   for rows in (big, small):
     square, part = rows * rows, rows * 4 * rows / 8
-    assert working_set(rows, 4 * rows, 8) == 2 * part + 4 * square / 8 + square / product_chunks(rows)
+    assert working_set(rows, 4 * rows, 8) == (2 * part + 4 * square / 8
+                                             + square / most_product_chunks(rows))
     # Formed whole, the gathered m×m counts whole.
-    assert working_set(rows, 4 * rows, 8, chunks=1) == 2 * part + 4 * square / 8 + square
+    assert working_set(rows, 4 * rows, 8, product_chunks=1) == 2 * part + 4 * square / 8 + square
 
 
 def test_m_x_is_formed_in_blocks_only_where_the_gathered_m_is_larger_than_x_s_part():
@@ -65,9 +66,9 @@ def test_m_x_is_formed_in_blocks_only_where_the_gathered_m_is_larger_than_x_s_pa
   # Gathered as float32 operands M is the larger: in the Gram sums' 4 blocks; as bfloat16
   # ones (the accelerators' default) it is half X's part: whole.
   rows, part = 4096, 3584
-  assert apply_blocks(rows, part, 4) == PRODUCT_CHUNKS
-  assert apply_blocks(rows, part, 4, operand_bytes=2) == 1
-  assert apply_blocks(rows, 2048, 4, operand_bytes=2) == 1  # equal sizes: whole
-  assert apply_blocks(rows, 2047, 4, operand_bytes=2) == PRODUCT_CHUNKS
-  assert apply_blocks(rows, 1024, 2048) == 2  # never more blocks than a part's rows allow
-  assert apply_blocks(CHUNKED_ABOVE_ROWS, 16, 4) == 1  # a small M: whole (`product_chunks`)
+  assert apply_chunks(rows, part, 4) == PRODUCT_CHUNKS
+  assert apply_chunks(rows, part, 4, operand_bytes=2) == 1
+  assert apply_chunks(rows, 2048, 4, operand_bytes=2) == 1  # equal sizes: whole
+  assert apply_chunks(rows, 2047, 4, operand_bytes=2) == PRODUCT_CHUNKS
+  assert apply_chunks(rows, 1024, 2048) == 2  # never more blocks than a part's rows allow
+  assert apply_chunks(CHUNKED_ABOVE_ROWS, 16, 4) == 1  # a small M: whole (`most_product_chunks`)

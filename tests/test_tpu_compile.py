@@ -104,6 +104,27 @@ def test_a_two_dimensional_mesh_compiles_for_tpu(chips):
   assert sum(n for n, _ in stats.values()) <= 3, stats
 
 
+@pytest.mark.parametrize("kind", ["tp", "fsdp_tp"])
+def test_a_stated_tensor_parallel_layout_compiles_for_tpu_in_the_exchanges_collectives(
+    chips, kind):
+  # Megatron-style TP (alone, or with FSDP on "data") on an Auto mesh, its layout stated
+  # as the shardings passed to jit: one all-to-all in and one out, plus (TP alone, or
+  # biases and norms replicated over "data") one packed all-gather of AdamW's updates.
+  from benchmarks.common import layout_shardings
+  mesh = Mesh(chips.reshape(4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  shardings = layout_shardings(kind, gpt_tree(), mesh)
+  params = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
+                        gpt_tree(), shardings)
+  layout = mo.MeshLayout(mesh, params=shardings, exchanges=1)
+  tx = mo.muon(0.02, mesh=layout)
+  state_shardings = mo.state_shardings(tx, params, layout)
+  state = jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
+                       jax.eval_shape(tx.init, params), state_shardings)
+  step = jax.jit(tx.update, out_shardings=(shardings, state_shardings))
+  stats = collective_stats(step.lower(params, state, params).compile().as_text())
+  assert {k: n for k, (n, _) in stats.items() if n} == {"all-to-all": 2, "all-gather": 1}, stats
+
+
 @pytest.mark.parametrize("how", [{"flops_per_byte": 0}, {"memory": 0.5}])
 def test_split_matrices_compile_for_tpu(chips, how):
   # Two matrices for eight chips: each is split by columns over four of them (balancing

@@ -191,3 +191,79 @@ def test_batches_same_seed_same_data_and_resumable():
   resumed = stdlib_text.batches(data, 4, 16, seed=3, start_step=3)
   np.testing.assert_array_equal(next(resumed), first[3])
   assert not np.array_equal(next(stdlib_text.batches(data, 4, 16, seed=4)), first[0])
+
+
+def _updates(tx, params, steps=3):
+  """The updates of `steps` steps of `tx` on fixed pseudo-gradients."""
+  import jax
+  import optax
+
+  state, out = tx.init(params), []
+  for i in range(steps):
+    grads = jax.tree.map(lambda p: jax.numpy.cos(3.0 * p + i), params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    out.append(updates)
+  return out
+
+
+@pytest.mark.parametrize("optimizer, cautious", [("muon-wd", False), ("normuon-cwd", True)])
+def test_weight_decay_flag_sets_the_decay_presets_decay(optimizer, cautious):
+  """A -wd / -cwd preset decays by 0.1 unless --weight-decay says otherwise; the record
+  holds the decay that acts."""
+  import jax
+  import optax
+  from flax import nnx
+
+  import muon_optax as mo
+  from workload.train import FAMILY, lr_schedule, make_model, make_optimizer, routing_of
+
+  cfg, _ = train_gpt.parse_args(TINY + ["--optimizer", optimizer, "--weight-decay", "0.05"])
+  assert cfg.resolved().weight_decay == 0.05
+  assert train_gpt.parse_args(TINY + ["--optimizer", optimizer])[0].resolved().weight_decay == 0.1
+  assert train_gpt.parse_args(TINY)[0].resolved().weight_decay == 0.0
+  model = make_model(cfg)
+  routing = routing_of(model, cfg)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  alias = FAMILY[optimizer][0]
+  reference = optax.chain(optax.clip_by_global_norm(1.0), alias(
+      lr_schedule(cfg.peak_lr, cfg), routing=routing, ns=cfg.ns,
+      adam=mo.AuxAdam(lr_schedule(cfg.peak_adam_lr, cfg), b1=0.9, b2=0.95),
+      weight_decay=mo.WeightDecay(0.05, cautious=cautious)))
+  for ours, theirs in zip(_updates(make_optimizer(cfg, routing), params),
+                          _updates(reference, params)):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+      np.testing.assert_array_equal(a, b)
+
+
+def _best_rates(path: pathlib.Path) -> dict[str, float]:
+  """optimizer -> lr of the first "best rate" table of a convergence results file (the
+  default configuration's), without the Newton–Schulz preset rows."""
+  lines = path.read_text().splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("| optimizer | lr |"))
+  rates = {}
+  for line in lines[start + 2:]:
+    if not line.startswith("|"):
+      break
+    name, lr = (cell.strip() for cell in line.strip("|").split("|")[:2])
+    if " " not in name:
+      rates[name] = float(lr)
+  return rates
+
+
+def test_default_rates_are_the_sweeps_best():
+  """Every optimizer's default --lr is the best of its sweep in the results files."""
+  from workload.config import BEST_LR, OPTIMIZERS
+
+  results = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
+  found = {**_best_rates(results / "convergence.txt"), **_best_rates(results / "frontier.txt")}
+  assert sorted(found) == sorted(OPTIMIZERS)
+  assert {name: BEST_LR[name] for name in OPTIMIZERS} == found
+
+
+def test_run_json_records_the_decay_that_acted(tmp_path):
+  result = train_gpt.main(TINY + ["--optimizer", "muon-wd", "--steps", "2", "--eval-every", "2",
+                                  "--out-dir", str(tmp_path)])
+  assert result["runs"][0]["config"]["weight_decay"] == 0.1
+  saved = json.loads((tmp_path / "run.json").read_text())
+  assert saved["runs"][0]["config"]["weight_decay"] == 0.1

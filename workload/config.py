@@ -18,9 +18,15 @@ FRONTIER = ("nordion2", "nordion2-0.5", "nordion2-1", "muonbp4", "muonbp8", "muo
             "muon-cwd", "normuon-wd", "normuon-cwd", "muonh", "muon-no-nesterov")
 OPTIMIZERS = ("muon", "normuon", "adamuon", "adaptive", *FRONTIER, "adamw")
 # Peak learning rates: the best of each optimizer's sweep on the default configuration
-# (benchmarks/results/convergence.txt, frontier.txt). AdamW's is also every aux AdamW's.
+# (benchmarks/results/convergence.txt, frontier.txt; tests/test_train_gpt.py checks that
+# they agree). AdamW's is also every aux AdamW's.
 BEST_LR = {"muon": 0.04, "normuon": 0.04, "adamuon": 0.016, "adaptive": 0.8, "adamw": 6e-3,
-           **{name: 0.04 for name in FRONTIER}, "muonh": 0.02}
+           "nordion2": 0.02, "nordion2-0.5": 0.02, "nordion2-1": 0.02, "muonbp4": 0.02,
+           "muonbp8": 0.02, "muon-wd": 0.04, "muon-cwd": 0.04, "normuon-wd": 0.04,
+           "normuon-cwd": 0.04, "muonh": 0.04, "muon-no-nesterov": 0.02}
+# The weight decay of the decay presets (-wd plain, -cwd cautious) unless --weight-decay
+# gives another; every other optimizer decays only by --weight-decay.
+PRESET_DECAY = {name: 0.1 for name in ("muon-wd", "muon-cwd", "normuon-wd", "normuon-cwd")}
 NS_PRESETS = ("turbo", "jordan", "polar_express")
 
 
@@ -48,11 +54,13 @@ class TrainConfig:
   seq_len: int = _flag(64, "context length in bytes")
   batch: int = _flag(32, "sequences per step (split over --devices)")
   lr: Optional[float] = _flag(None, "peak learning rate of the hidden matrices (default: "
-                              "the optimizer's best in benchmarks/results/convergence.txt)")
+                              "the optimizer's best in benchmarks/results/convergence.txt "
+                              "or frontier.txt)")
   adam_lr: Optional[float] = _flag(None, "AdamW's peak learning rate (the aux branch, or "
                                    f"everything; default {BEST_LR['adamw']})")
   ns: str = _flag("turbo", f"Newton–Schulz preset, one of {NS_PRESETS}")
-  weight_decay: float = _flag(0.0, "decoupled weight decay of the hidden matrices")
+  weight_decay: Optional[float] = _flag(None, "decoupled weight decay of the hidden matrices "
+                                        "(default: 0.1 for the -wd / -cwd presets, else 0)")
   warmup: float = _flag(0.05, "fraction of steps of linear warmup, then cosine decay to 10%%")
   seed: int = _flag(0, "model init and data order")
   eval_every: int = _flag(50, "steps between validation losses")
@@ -78,6 +86,15 @@ class TrainConfig:
       raise ValueError(f"unknown attention {self.attention!r}; use mha or fused.")
     if self.ns not in NS_PRESETS:
       raise ValueError(f"unknown Newton–Schulz preset {self.ns!r}; use one of {NS_PRESETS}.")
+    if self.weight_decay is not None and not self.weight_decay >= 0:
+      raise ValueError(f"--weight-decay must be ≥ 0, got {self.weight_decay}.")
+
+  def resolved(self) -> TrainConfig:
+    """This config with the weight decay that acts in place of "the optimizer's own":
+    what a run records."""
+    if self.weight_decay is not None:
+      return self
+    return dataclasses.replace(self, weight_decay=PRESET_DECAY.get(self.optimizer, 0.0))
 
   @property
   def peak_lr(self) -> float:
@@ -110,5 +127,6 @@ def add_flags(parser: argparse.ArgumentParser, names: Optional[list[str]] = None
     if isinstance(getattr(base, name), bool):
       kwargs["action"] = argparse.BooleanOptionalAction
     else:
-      kwargs["type"] = float if name in ("lr", "adam_lr") else type(getattr(base, name))
+      kwargs["type"] = (float if name in ("lr", "adam_lr", "weight_decay")
+                        else type(getattr(base, name)))
     parser.add_argument("--" + name.replace("_", "-"), **kwargs)

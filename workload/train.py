@@ -25,9 +25,9 @@ from workload.config import TrainConfig
 from workload.gpt import GPT, GPTConfig, loss_fn, num_params
 from workload.machine import machine_info
 
-# The Muon family: each optimizer of the config as a muon_optax alias and its options
-# (which take the place of the config's weight decay where they set one).
-FRONTIER_DECAY = 0.1
+# The Muon family: each optimizer of the config as a muon_optax alias and its options.
+# The decay presets decay by the config's weight decay (`PRESET_DECAY` unless the flag
+# gives another), cautiously for -cwd.
 FAMILY = {"muon": (mo.muon, {}), "normuon": (mo.normuon, {}), "adamuon": (mo.adamuon, {}),
           "adaptive": (mo.muon, {"scale": "adaptive"}),
           "nordion2": (mo.nordion2, {"fraction": 0.25}),
@@ -35,13 +35,11 @@ FAMILY = {"muon": (mo.muon, {}), "normuon": (mo.normuon, {}), "adamuon": (mo.ada
           "nordion2-1": (mo.nordion2, {"fraction": 1.0}),
           "muonbp4": (mo.muonbp, {"blocks": mo.BlockPeriodic(4, devices=8)}),
           "muonbp8": (mo.muonbp, {"blocks": mo.BlockPeriodic(8, devices=8)}),
-          "muon-wd": (mo.muon, {"weight_decay": FRONTIER_DECAY}),
-          "muon-cwd": (mo.muon, {"weight_decay": mo.WeightDecay(FRONTIER_DECAY, cautious=True)}),
-          "normuon-wd": (mo.normuon, {"weight_decay": FRONTIER_DECAY}),
-          "normuon-cwd": (mo.normuon, {"weight_decay": mo.WeightDecay(FRONTIER_DECAY,
-                                                                      cautious=True)}),
+          "muon-wd": (mo.muon, {}), "muon-cwd": (mo.muon, {}),
+          "normuon-wd": (mo.normuon, {}), "normuon-cwd": (mo.normuon, {}),
           "muonh": (mo.muonh, {}),
           "muon-no-nesterov": (mo.muon, {"nesterov": False})}
+CAUTIOUS = ("muon-cwd", "normuon-cwd")
 
 
 def lr_schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
@@ -77,19 +75,21 @@ def make_optimizer(cfg: TrainConfig, routing: mo.Routing,
   every optimizer decays the same parameters.
   """
   adam_lr = lr_schedule(cfg.peak_adam_lr, cfg)
+  decay = cfg.resolved().weight_decay
   if cfg.optimizer == "adamw":
     hidden = lambda params: jax.tree.map(lambda l: l == "muon", routing.labels(params))
-    tx = optax.adamw(adam_lr, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=hidden)
+    tx = optax.adamw(adam_lr, b1=0.9, b2=0.95, weight_decay=decay, mask=hidden)
   else:
     alias, options = FAMILY[cfg.optimizer]
     # ZeRO-1 (`place_data_parallel`): the params are replicated, the state split.
     placed = None if mesh is None else mo.MeshLayout(mesh, params="replicated")
     if alias is mo.muonh:  # the hyperball takes the place of weight decay
-      if cfg.weight_decay:
+      if decay:
         raise ValueError("muonh keeps each matrix's norm instead of decaying it: drop "
                          "--weight-decay.")
     else:
-      options = {"weight_decay": cfg.weight_decay, **options}
+      options = {"weight_decay": mo.WeightDecay(decay, cautious=cfg.optimizer in CAUTIOUS),
+                 **options}
     tx = alias(lr_schedule(cfg.peak_lr, cfg), mesh=placed, routing=routing, ns=cfg.ns,
                adam=mo.AuxAdam(adam_lr, b1=0.9, b2=0.95), **options)
   return optax.chain(optax.clip_by_global_norm(1.0), tx)
@@ -272,7 +272,7 @@ def record(cfg: TrainConfig, run: Setup, curves: Curves, t_start: float) -> dict
   train_s = max(t_end - curves.loop_start - curves.eval_s, 1e-9)
   return {
       "optimizer": cfg.optimizer,
-      "config": dataclasses.asdict(cfg),
+      "config": dataclasses.asdict(cfg.resolved()),
       "params": n_params,
       "ns_flops_per_step": (0 if cfg.optimizer == "adamw" else
                             mo.newton_schulz_cost(params, routing=run.routing, ns=cfg.ns)),

@@ -3,41 +3,78 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Optional, Union
 
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from muon_optax._placement.shardings import DataAxis, data_axes, is_explicit
+from muon_optax._placement.param_layout import FIX, ParamSpecs, param_specs, seen_specs
+from muon_optax._placement.shardings import (
+  DataAxis,
+  add_data_axes,
+  data_axes,
+  data_spec,
+  is_explicit,
+  same_spec,
+)
+from muon_optax._util import paths
 
 PARAM_LAYOUTS = ("auto", "sharded", "replicated")
 # What a byte sent between devices costs, in 16-bit matmul flops: an accelerator's matmul
 # rate over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s
 # of ICI).
 FLOPS_PER_BYTE = 750
-EXCHANGES = 4  # measured on the TPU compiler: benchmarks/results/scale_tpu.jsonl
+# The most exchanges memory asks for by default: where even this many buffers do not fit
+# beside the Newton–Schulz work, more would add collectives and save little (measured on
+# the TPU compiler: benchmarks/results/scale_tpu.jsonl).
+EXCHANGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
-  """Where the distributed update runs and where its results go.
+  """Where the distributed update runs, how the params lie, and where results go.
 
   The exchange and the packed gather are `jax.shard_map`s, so they must be told the
-  layouts that `custom_partitioning` used to read from XLA: the state lies as
-  `state_shardings(tx, params, mesh, data_axis)` lays it out, and the updates are wanted
-  like the params.
+  layouts: the state lies as `state_shardings(tx, params, layout)` lays it out (the
+  params' layout with the data axes added), and the updates are wanted like the params.
+  On an Explicit mesh the array types say it all; on an Auto mesh (`Mesh(devices,
+  names)`, MaxText's and Flax's logical-axis rules) traced arrays carry no layout, so
+  state it once, in the form you pass to `jax.jit`:
+
+  - FSDP / ZeRO-3: `MeshLayout(mesh, params=mo.fsdp_shardings(params, mesh))`, or
+    params="sharded".
+  - ZeRO-1 (params replicated, state split): params="replicated", or the shardings.
+  - Tensor parallelism (Megatron column- and row-parallel kernels on a "model" axis),
+    alone or with FSDP on "data", and data × fsdp × tensor meshes (with
+    `data_axis=("data", "fsdp")`): the params' shardings.
+  - MoE experts on an expert axis: the shardings; an expert stack whole on its devices
+    is orthogonalized where it lies and moves nothing.
+  - Logical axis rules: what they resolve to, e.g. `nn.logical_to_mesh_sharding(
+    nn.get_partition_spec(variables), mesh, rules)` (Linen) or
+    `nnx.get_named_sharding(state, mesh)` (NNX).
+
+  A bare `mesh=` (params="auto") reads the types on an Explicit mesh; on an Auto one it
+  takes the layout the params carry when `init` gets them concrete, and otherwise (under
+  `jax.jit(tx.init)` or `jax.eval_shape`) guesses FSDP and warns once: a wrong guess
+  costs collectives (25–100× the exchange's for tensor parallelism), never correctness.
 
   Attributes:
     mesh: the device mesh; Newton–Schulz work is dealt over all its devices.
-    params: "sharded" (FSDP / ZeRO-3: updates stay split like the state), "replicated"
-      (ZeRO-1: every device gets every update, in one packed all-gather), or "auto":
-      read from the params' types on an Explicit mesh, "sharded" on an Auto one (whose
-      arrays carry no layout while traced). A wrong guess costs collectives, never
-      correctness.
+    params: the params' layout: a pytree of `NamedSharding` or `PartitionSpec` with the
+      params' structure (what you pass to `jax.jit`; checked against the params at
+      `init`, where a mismatch names the parameter); or "sharded" (FSDP: updates stay
+      split like the state), "replicated" (ZeRO-1: every device gets every update, in
+      one packed all-gather), "auto" (see above).
     data_axis: the state's data-parallel axis or axes, as given to `state_shardings`
       (default "data", or every mesh axis if the mesh has none of that name).
     exchanges: the matrices travel in this many exchanges, one after another, each
       with its own collectives in and out: more bound the peak memory of the buffers
-      and Newton–Schulz temporaries lower, at two collectives each.
+      and Newton–Schulz temporaries lower, at two collectives each. Default (None): as
+      many as memory needs, one where an exchange's buffers fit the memory cap beside
+      the largest unit of Newton–Schulz work, more (at most 4) only where they do not.
+      An integer forces the count, capped by the rounds: rounds that share devices
+      travel together, so a tree of 4 rounds runs `exchanges=8` as 4.
     flops_per_byte: what a byte between devices costs in 16-bit matmul flops, which
       decides whether splitting a matrix over devices pays: each device then does 1/g
       of its flops but receives about three m×m blocks a step, in a few collectives
@@ -57,22 +94,40 @@ class MeshLayout:
     >>> import jax, muon_optax as mo
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = mo.muon(0.02, mesh=mo.MeshLayout(mesh, params="replicated"))  # ZeRO-1
+    >>> from jax.sharding import PartitionSpec as P
+    >>> tp = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"),
+    ...                    axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    >>> params = {"fc": {"kernel": jax.numpy.ones((16, 64))},
+    ...           "proj": {"kernel": jax.numpy.ones((64, 16))}}
+    >>> megatron = {"fc": {"kernel": P(None, "model")}, "proj": {"kernel": P("model", None)}}
+    >>> layout = mo.MeshLayout(tp, params=megatron)  # TP on an Auto mesh
+    >>> tx = mo.muon(0.02, mesh=layout)
+    >>> state = jax.jit(tx.init, out_shardings=mo.state_shardings(tx, params, layout))(params)
   """
 
   mesh: Mesh
-  params: str = "auto"
+  params: Any = "auto"
   data_axis: DataAxis = "data"
-  exchanges: int = EXCHANGES
+  exchanges: Optional[int] = None
   flops_per_byte: float = FLOPS_PER_BYTE
   memory: Optional[float] = None
+  # What concrete params showed at init, for params="auto" on an Auto mesh: a cache, not
+  # a setting (not compared, not copied by dataclasses.replace).
+  _seen: _Seen = dataclasses.field(default_factory=lambda: _Seen(), init=False,
+                                     compare=False, repr=False)
 
   def __post_init__(self):
     if not isinstance(self.mesh, Mesh):
       raise ValueError(f"MeshLayout needs a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
-    if self.params not in PARAM_LAYOUTS:
-      raise ValueError(f"MeshLayout(params={self.params!r}): choose one of {list(PARAM_LAYOUTS)}.")
-    if not isinstance(self.exchanges, int) or self.exchanges < 1:
-      raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer.")
+    if isinstance(self.params, str) and self.params not in PARAM_LAYOUTS:
+      raise ValueError(f"MeshLayout(params={self.params!r}): choose one of {list(PARAM_LAYOUTS)}, "
+                       "or pass the params' shardings (a pytree of NamedSharding or PartitionSpec).")
+    if not isinstance(self.params, (str, ParamSpecs)):
+      object.__setattr__(self, "params", param_specs(self.params, self.mesh))
+    if self.exchanges is not None and (isinstance(self.exchanges, bool) or not isinstance(
+        self.exchanges, int) or self.exchanges < 1):
+      raise ValueError(f"MeshLayout(exchanges={self.exchanges!r}) must be a positive integer, "
+                       "or None for as many as memory needs.")
     if not self.flops_per_byte >= 0:
       raise ValueError(f"MeshLayout(flops_per_byte={self.flops_per_byte!r}) must be ≥ 0.")
     number = isinstance(self.memory, (int, float)) and not isinstance(self.memory, bool)
@@ -94,9 +149,66 @@ class MeshLayout:
   def explicit(self) -> bool:
     return is_explicit(self.mesh)
 
-  def gathers(self) -> bool:
-    """Whether updates are wanted replicated (ZeRO-1) when the types do not say."""
-    return self.params == "replicated"
+  @property
+  def stated(self) -> bool:
+    """Whether the params' layout was given (a string other than "auto", or shardings)."""
+    return not (isinstance(self.params, str) and self.params == "auto")
+
+  def at_init(self, params: Any) -> None:
+    """At init: a stated layout must fit `params` (a ValueError names the parameter that
+    it does not fit). On an Auto mesh, the layout concrete `params` carry (traced ones
+    carry none: under `jax.jit(tx.init)` nothing is seen) is remembered with
+    params="auto", and warned about once if it is not what "sharded" or "replicated" says."""
+    if isinstance(self.params, ParamSpecs):
+      self.params.check(params, self.mesh)
+    seen = None if self.explicit else seen_specs(params, self.mesh)
+    if not seen:
+      return
+    if not self.stated:
+      self._seen.specs.update(seen)
+    elif isinstance(self.params, str):  # "sharded" or "replicated": do the params agree?
+      shapes = dict(paths.leaves_with_path(params))
+      for path, spec in seen.items():
+        said = self.param_spec(path, tuple(shapes[path].shape))
+        if not same_spec(spec, said, shapes[path].ndim):
+          warnings.warn(
+              f"muon_optax: MeshLayout(params={self.params!r}) says parameter {path!r} lies as "
+              f"{said}, but it lies as {spec}: its updates will be moved there and back, at "
+              f"extra collectives. State the layout: {FIX}, the shardings you pass to jax.jit.",
+              stacklevel=2)
+          return
+
+  def param_spec(self, path: str, shape: tuple[int, ...]) -> P:
+    """The layout of the parameter at `path` when the types do not say: as stated, or as
+    seen at init; else the FSDP guess, with a warning (once) that names the fix."""
+    if isinstance(self.params, ParamSpecs):
+      return self.params.spec(path)
+    if self.params == "replicated":
+      return P()
+    if self.params == "auto" and path in self._seen.specs:
+      return self._seen.specs[path]
+    if self.params == "auto" and not self._seen.warned:
+      self._seen.warned = True
+      warnings.warn(
+          f"muon_optax: the params' layout on this Auto mesh {dict(self.mesh.shape)} is not "
+          f"known (parameter {path!r} was not seen concrete at init), so it is guessed: FSDP, "
+          f"split along {self.data_axis}. A wrong guess costs extra collectives (up to tens "
+          f"of times the exchange's). State it: {FIX}, the shardings you pass to jax.jit.",
+          stacklevel=2)
+    return data_spec(shape, self.mesh, self.data_axis)
+
+  def state_spec(self, shape: tuple[int, ...], param_spec: P) -> P:
+    """The layout `state_shardings` gives a state leaf of `shape` mirroring a parameter
+    laid out as `param_spec`: its spec, with the data axes it lacks added."""
+    return add_data_axes(shape, param_spec, self.mesh, self.data_axis)
+
+
+class _Seen:
+  """The params' specs seen at init, by path, and whether the guess was warned about."""
+
+  def __init__(self):
+    self.specs: dict[str, P] = {}
+    self.warned = False
 
 
 def as_mesh_layout(mesh: Union[None, Mesh, MeshLayout, Any]):

@@ -50,6 +50,12 @@ def spec_axes(entry) -> tuple[str, ...]:
   return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
 
 
+def same_spec(a: P, b: P, ndim: int) -> bool:
+  """Whether two specs lay out an array of `ndim` dimensions alike (trailing Nones aside)."""
+  pad = lambda s: [spec_axes(e) for e in s] + [()] * (ndim - len(s))
+  return pad(a) == pad(b)
+
+
 def _spec_axes(spec: P) -> set[str]:
   return {axis for entry in spec for axis in spec_axes(entry)}
 
@@ -89,7 +95,7 @@ def divided_axis(shape: tuple[int, ...], size: int,
   return max(fits, key=lambda d: (shape[d], d))
 
 
-def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str, ...]) -> P:
+def add_data_axes(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str, ...]) -> P:
   """`spec` with the data axes it lacks added on the largest free dimension they divide
   together, in the form a jitted update returns its state in (one entry per dimension
   on Explicit axes, no trailing None on Auto ones), so that step 2 finds the state laid
@@ -109,23 +115,28 @@ def _add_data_axis(shape: tuple[int, ...], spec: P, mesh: Mesh, axes: tuple[str,
   return P(*entries)
 
 
-def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
+def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Any,
                     data_axis: DataAxis = "data") -> Any:
   """NamedSharding of every leaf of `tx.init(params)`, partitioned along `data_axis`.
 
   - A state leaf that mirrors a parameter (same path suffix and shape: momentum,
     Adam moments; or the shape with some axes of size 1: a per-neuron statistic)
     starts from that parameter's spec, so FSDP-sharded params keep their state beside
-    them; if the spec lacks the data axis (ZeRO-1: replicated params, or params
-    sharded only over other axes), the data axis is added on the largest dimension it
-    divides.
+    them and tensor-parallel ones keep their model axes; if the spec lacks the data
+    axis (ZeRO-1: replicated params, or params sharded only over other axes), the data
+    axis is added on the largest free dimension it divides.
   - Any other leaf (flat buffers, counts) gets the data axis the same way.
   - Leaves with no dimension divisible by the data-axis size stay replicated.
+
+  This is the layout the optimizer's exchange reads its inputs in: pass the params as
+  they lie, or the `MeshLayout` that states their layout.
 
   Args:
     tx: the optimizer.
     params: params or `jax.ShapeDtypeStruct`s; a `NamedSharding` on them is followed.
-    mesh: the device mesh.
+    mesh: the device mesh, or the `MeshLayout` given to the optimizer: its stated
+      params layout (`MeshLayout(mesh, params=shardings)`) then lays out the params that
+      carry no sharding, and its data axes are the default.
     data_axis: the data-parallel axis of `mesh`, or a tuple of axes (("data", "fsdp"))
       over whose devices together the state is split.
 
@@ -140,8 +151,14 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     >>> shardings = mo.state_shardings(tx, params, mesh)
     >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
   """
+  stated = {}
+  if not isinstance(mesh, Mesh) and hasattr(mesh, "param_spec"):  # a MeshLayout
+    layout, mesh = mesh, mesh.mesh
+    data_axis = layout.data_axis if data_axis == "data" else data_axis
+    if hasattr(layout.params, "by_path"):
+      stated = layout.params.by_path
   axes = data_axes(mesh, data_axis)
-  param_specs = _param_specs(params, mesh)
+  param_specs = {**stated, **_param_specs(params, mesh)}
   param_shapes = {p: tuple(np.shape(x)) for p, x in paths.leaves_with_path(params)}
   abstract = jax.eval_shape(tx.init, params)
 
@@ -149,7 +166,7 @@ def state_shardings(tx: optax.GradientTransformation, params: Any, mesh: Mesh,
     shape = tuple(leaf.shape)
     param = mirrored_param(path, shape, param_shapes, reduced=True)
     spec = P() if param is None else kept_spec(param_specs.get(param, P()), shape)
-    return NamedSharding(mesh, _add_data_axis(shape, spec, mesh, axes))
+    return NamedSharding(mesh, add_data_axes(shape, spec, mesh, axes))
 
   return paths.map_with_path(sharding, abstract)
 
@@ -175,7 +192,7 @@ def fsdp_shardings(params: Any, mesh: Mesh, data_axis: DataAxis = "data") -> Any
   """
   axes = data_axes(mesh, data_axis)
   return paths.map_with_path(
-      lambda path, x: NamedSharding(mesh, _add_data_axis(tuple(np.shape(x)), P(), mesh, axes)),
+      lambda path, x: NamedSharding(mesh, add_data_axes(tuple(np.shape(x)), P(), mesh, axes)),
       params)
 
 
@@ -220,7 +237,7 @@ def data_spec(shape: tuple[int, ...], mesh: Mesh, axes: tuple[str, ...]) -> P:
   """The layout `state_shardings` gives a state leaf of `shape` whose parameter is
   replicated, and `fsdp_shardings` gives a parameter: the data axes on its largest
   dimension they divide."""
-  return _add_data_axis(shape, P(), mesh, axes)
+  return add_data_axes(shape, P(), mesh, axes)
 
 
 def stack_spec(spec: P, groups: tuple[tuple[int, ...], ...], transposed: bool) -> P:

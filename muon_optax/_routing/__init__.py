@@ -4,7 +4,9 @@ the `Routing` value, the jaxpr trace behind `infer_routing`, and `describe`.
 May import `_util` and `_newton_schulz` (for the flops `describe` prints).
 """
 
+from muon_optax._routing.describe import warn_guessed_views
 from muon_optax._routing.name_rules import ADAM, FROZEN, MUON
 from muon_optax._routing.value import Routing, as_routing, check_labels
 
-__all__ = ["ADAM", "FROZEN", "MUON", "Routing", "as_routing", "check_labels"]
+__all__ = ["ADAM", "FROZEN", "MUON", "Routing", "as_routing", "check_labels",
+           "warn_guessed_views"]

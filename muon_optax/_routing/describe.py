@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import numpy as np
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
 from muon_optax._newton_schulz.variant import newton_schulz_plan
-from muon_optax._routing.name_rules import LABELS, MUON, NAME_RULES_CAVEAT
+from muon_optax._routing.name_rules import (
+  BY_NAME,
+  GUESSED_VIEW_NOTE,
+  LABELS,
+  MUON,
+  NAME_RULES_CAVEAT,
+)
 from muon_optax._routing.value import Routing, as_routing, check_leaf
+
+
+def guessed_views(routing: Routing, params: Any) -> list[str]:
+  """Paths of the Muon leaves of rank ≥ 3 whose matrix view comes from their name alone
+  (name rules or given labels without views=, or an override the computation gave no
+  view for): a (4, 32, 128) kernel is 128×128 or 4 × (32×128) by its name only."""
+  if routing.views is not None:
+    return []
+  return [path for path, leaf, decision in routing.decide(params)
+          if decision.label == MUON and np.ndim(leaf) >= 3
+          and (routing.decisions is None or decision.reason.endswith(BY_NAME))]
+
+
+def warn_guessed_views(routing: Routing, params: Any) -> None:
+  """One warning naming the leaves of `guessed_views`, if any."""
+  found = guessed_views(routing, params)
+  if found:
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    warnings.warn(f"{len(found)} parameter(s) ({shown}): {GUESSED_VIEW_NOTE} "
+                  "muon_optax.describe(params, routing=...) shows each view.", stacklevel=3)
 
 
 def _rows(params: Any, routing: Routing, ns: NS, backend: Optional[str]) -> list[tuple]:
@@ -71,7 +98,10 @@ def describe(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
   routing = as_routing(routing)
   rows, totals = [], {}
   plans = []
+  guessed = set(guessed_views(routing, params))
   for path, shape, label, view, plan, flops, why in _rows(params, routing, ns, backend):
+    if path in guessed:
+      why = (why if why.endswith(BY_NAME) else f"{why}, {BY_NAME}") + " (!)"
     n, f = totals.get(label, (0, 0))
     totals[label] = (n + int(np.prod(shape)), f + flops)
     plans += [plan] if plan else []
@@ -93,6 +123,8 @@ def describe(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
                  f"{p.precision}; NS is the standard or Gram-space iteration per shape.")
   elif as_newton_schulz(ns).fn is not None:
     lines.append("Newton–Schulz: a custom function (NewtonSchulz(fn=...)).")
+  if guessed:
+    lines.append(f"(!) {GUESSED_VIEW_NOTE}")
   if routing.rules is not None:
     lines.append(NAME_RULES_CAVEAT)
   return "\n".join(lines)

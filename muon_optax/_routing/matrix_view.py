@@ -82,9 +82,10 @@ ViewFn = Callable[[str, tuple[int, ...]], Optional[MatrixView]]
 
 _CONV = re.compile(r"(?i)conv")
 _QKV = re.compile(r"(?:^|/)(query|key|value|q_proj|k_proj|v_proj)/kernel$")
-# nnx.MultiHeadAttention names its output projection `out`; a rank ≥ 3 `out` kernel is
+# Output projections by their common names (nnx.MultiHeadAttention's `out`, `o_proj`,
+# `out_proj`, nanodo's `attn_out_proj`, `attn_output`, `wo`): a rank ≥ 3 one is
 # (..., heads, head_dim, d_model) wherever the module sits.
-_ATTN_OUT = re.compile(r"(?:^|/)(out|o_proj)/kernel$")
+_ATTN_OUT = re.compile(r"(?:^|/)(out|wo|\w*o_proj|\w*out_proj|\w*attn_out\w*)/kernel$")
 
 
 def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -> Optional[MatrixView]:
@@ -93,8 +94,9 @@ def default_view(path: str, shape: tuple[int, ...], *, per_head: bool = False) -
   - rank 2: (fan_in, fan_out), the Flax Dense/Linear layout;
   - a path containing "conv", and any rank-4 leaf (a 2-D conv kernel (kh, kw, in, out)
     whatever its name): fan_in = prod of all but the last axis;
-  - attention q/k/v kernels (..., d_model, heads, head_dim) and out kernels
-    (..., heads, head_dim, d_model): whole projection, or one matrix per head;
+  - attention q/k/v kernels (..., d_model, heads, head_dim) and output projections
+    (out, wo, *o_proj, *out_proj, *attn_out*) (..., heads, head_dim, d_model): whole
+    projection, or one matrix per head;
   - anything else of rank > 2: leading axes are stacked layers or experts (batch),
     the last two are (fan_in, fan_out).
   Leading axes before the layouts above are always batch axes (scan / vmap stacks).

@@ -31,6 +31,14 @@ _EMBED = re.compile(
 _HEAD = re.compile(
     r"(?:^|/)(lm_head|head|out_head|output_head|unembed\w*|classifier|logits|readout)(?:/|$)", re.I)
 _WEIGHT = re.compile(r"(?:^|/)(kernel|weights?|w\w*)$", re.I)
+# The mark, in a reason, of a Muon leaf whose matrix view comes from its name alone (an
+# override, where the computation gave none), and what `describe` and the warning say of
+# those of rank ≥ 3, where a name can mislead.
+BY_NAME = "view by name"
+GUESSED_VIEW_NOTE = (
+    "the matrix view of a leaf of rank ≥ 3 is guessed from its name alone; if the name "
+    "misleads, Muon orthogonalizes other matrices than the model multiplies by. "
+    "muon_optax.infer_routing reads the views from the computation; or give views=.")
 NAME_RULES_CAVEAT = (
     "Name rules cannot tell an output head named like a hidden layer (Dense_2, out) from a "
     "hidden layer; muon_optax.infer_routing reads it from the computation.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import jax
@@ -12,7 +12,15 @@ import numpy as np
 
 from muon_optax._routing.jaxpr_uses import Product, Track, Use, Walker
 from muon_optax._routing.matrix_view import MatrixView, ViewFn, default_view
-from muon_optax._routing.name_rules import ADAM, FROZEN, MUON, Rule, check_rules, first_match
+from muon_optax._routing.name_rules import (
+  ADAM,
+  BY_NAME,
+  FROZEN,
+  MUON,
+  Rule,
+  check_rules,
+  first_match,
+)
 from muon_optax._routing.value import Decision, Routing
 from muon_optax._util import paths
 
@@ -71,11 +79,12 @@ def _override(rules, path: str, leaf, shape, per_head: bool, inferred) -> Option
   if found is None:
     return None
   label, why = found
-  view = None
-  if label == MUON:
-    view = inferred.view if inferred is not None and inferred.view is not None else (
-        default_view(path, tuple(shape), per_head=per_head))
-  return Decision(label, view, why.replace("rule", "override", 1))
+  why, view = why.replace("rule", "override", 1), None
+  if label == MUON and inferred is not None and inferred.view is not None:
+    view = inferred.view
+  elif label == MUON:  # the computation gave no view: the name's
+    view, why = default_view(path, tuple(shape), per_head=per_head), f"{why}, {BY_NAME}"
+  return Decision(label, view, why)
 
 
 def _abstract(x):
@@ -140,6 +149,16 @@ def _check_params(params) -> None:
                      "f, params, *args (or an nnx / equinox Module, then its inputs).")
 
 
+def _variables_hint(error: Exception, params) -> str:
+  """What to pass when a Linen apply, given the params, finds no "params" collection."""
+  flax_errors = sys.modules.get("flax.errors")
+  if (flax_errors is None or not isinstance(error, flax_errors.ScopeCollectionNotFound)
+      or not isinstance(params, Mapping) or "params" in params):
+    return ""
+  return ("\nA Linen apply takes the variables, not the params: pass the variables, "
+          "{'params': params}: infer_routing(model.apply, {'params': params}, *args).")
+
+
 def _trace(fn, params, args, kwargs, output):
   """The jaxpr of fn(params, *args, **kwargs) and the names of its output arrays; with
   `output`, the arrays it picks come first and the count of them is returned."""
@@ -157,7 +176,8 @@ def _trace(fn, params, args, kwargs, output):
         jax.tree.map(_abstract, params), arrays)
   except Exception as e:  # any failure of the user's f (or output)
     what = "f(params, *args)" + (" and output(...)" if output is not None else "")
-    raise ValueError(f"infer_routing could not trace {what}: {type(e).__name__}: {e}") from e
+    raise ValueError(f"infer_routing could not trace {what}: {type(e).__name__}: {e}"
+                     f"{_variables_hint(e, params)}") from e
   if output is not None:
     picked = len(jax.tree.leaves(shape[0]))
     if not picked:
@@ -205,8 +225,9 @@ def _route_leaf(path, leaf, shape, uses, head, per_head, overrides, views, block
     raise error
   decision = decision or inferred
   view = views(path, shape) if views is not None and decision.label == MUON else None
-  if view is not None:
-    decision = Decision(MUON, view, f"{decision.reason} (view given)")
+  if view is not None:  # the cause stays; the view the reason named is replaced
+    cause = decision.reason.split(" → ")[0].removesuffix(f", {BY_NAME}")
+    decision = Decision(MUON, view, f"{cause} → {view.describe(shape)} (view given)")
   return decision
 
 

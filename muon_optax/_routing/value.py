@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import numpy as np
@@ -161,7 +161,15 @@ class Routing:
     return describe(shapes, routing=self)
 
 
-def as_routing(routing: Any = None) -> Routing:
+# Labels as `optax.partition` takes them: a label pytree ("muon" / "adam" / "frozen" per
+# leaf), a prefix of the params tree, or a callable params -> such a tree.
+LabelTree = Any
+# What a `routing=` argument may be; `as_routing` makes it a `Routing` (None: the default
+# name rules). The aliases do that once, and hand their parts the `Routing`.
+RoutingLike = Union[Routing, LabelTree, Callable[[Any], LabelTree], None]
+
+
+def as_routing(routing: RoutingLike = None) -> Routing:
   """The `Routing` meant by a `routing=` argument: a `Routing` as it is; None, the default
   name rules (`DEFAULT_RULES`); anything else, labels as `optax.partition` takes them (a
   label pytree, a prefix of the params tree, or a callable params -> labels)."""

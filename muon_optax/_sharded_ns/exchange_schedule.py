@@ -1,5 +1,5 @@
 """How the rounds travel, computed at trace time (no jax): in which exchange
-(`chunks`), which rounds share a slot of its buffers (`shared_slots`), which run their
+(`split_into_exchanges`), which rounds share a slot of its buffers (`shared_slots`), which run their
 local work together and how they form their m×m products (`units`), how a buffer is
 filled (`spans_of`, `segments`: a slice per run of devices, not one per device), and the
 static plan of one exchange from the stacks' layouts: how wide each round's pieces are
@@ -16,14 +16,15 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NewtonSchulz
+from muon_optax._placement.mesh_layout import EXCHANGES
 from muon_optax._sharded_ns.rounds import Round
 from muon_optax._sharded_ns.split_cost import (
   WHOLE_PRODUCTS_SHARE,
-  product_chunks,
+  most_product_chunks,
   split_collectives,
   working_set,
 )
-from muon_optax._sharded_ns.stack_shards import Layout, by_blocks
+from muon_optax._sharded_ns.stack_shards import StackShards, takes_whole_shards
 
 
 def shared_slots(rounds: list[Round], apart: Collection[int] = ()) -> list[list[int]]:
@@ -44,37 +45,37 @@ def shared_slots(rounds: list[Round], apart: Collection[int] = ()) -> list[list[
   return slots
 
 
-def chunks(rounds: list[Round], count: int) -> list[list[Round]]:
+def split_into_exchanges(rounds: list[Round], count: int) -> list[list[Round]]:
   """`rounds` in at most `count` runs of consecutive slots (`shared_slots`: the rounds
   of one slot travel together) with about equal bytes."""
   slots = shared_slots(rounds)
   weight = [max(rounds[t].rows * rounds[t].cols / rounds[t].split for t in ts) for ts in slots]
-  total, chunks, acc = sum(weight), [[]], 0.0
+  total, exchanges, acc = sum(weight), [[]], 0.0
   for ts, w in zip(slots, weight):
-    if chunks[-1] and acc + w / 2 > total * len(chunks) / count and len(chunks) < count:
-      chunks.append([])
-    chunks[-1] += [rounds[t] for t in ts]
+    if exchanges[-1] and acc + w / 2 > total * len(exchanges) / count and len(exchanges) < count:
+      exchanges.append([])
+    exchanges[-1] += [rounds[t] for t in ts]
     acc += w
-  return chunks
+  return exchanges
 
 
 class Unit(NamedTuple):
   """Rounds (by index) whose local work runs together, their m×m products formed in
-  `chunks` blocks (`FactorMesh.row_blocks`; 1: whole)."""
+  `product_chunks` chunks (`FactorMesh.row_blocks`; 1: whole)."""
 
   rounds: list[int]
-  chunks: int = 1
+  product_chunks: int = 1
 
 
 def unit_size(rows: int, cols: int, split: int, count: int, budget: Optional[float],
               ns: NewtonSchulz) -> tuple[int, int]:
-  """(rounds a unit holds, blocks its products are formed in) for `count` split rounds
+  """(rounds a unit holds, chunks its products are formed in) for `count` split rounds
   of one kind: the fewest collectives a step launches for all of them
   (`split_collectives` per unit), each unit's `working_set` within `budget` (float32
   elements; None: no cap), and within `WHOLE_PRODUCTS_SHARE` of it with its products
-  whole (where they can be formed in blocks at all, `product_chunks`); ties to the
-  blocks. Where nothing fits: one round a unit, in the most blocks."""
-  most, options = product_chunks(rows), []
+  whole (where they can be formed in chunks at all, `most_product_chunks`); ties to the
+  chunks. Where nothing fits: one round a unit, in the most chunks."""
+  most, options = most_product_chunks(rows), []
   whole = None if budget is None else WHOLE_PRODUCTS_SHARE * budget
   for chunks, cap in [(most, budget)] + [(1, whole)] * (most > 1):
     size = count if cap is None else min(count, int(cap // working_set(rows, cols, split,
@@ -111,23 +112,23 @@ def units(rounds: list[Round], budget: Optional[float], ns: NewtonSchulz = DEFAU
   return units
 
 
-def slice_width(lay: Layout, split: int) -> int:
-  """The width of column part p of a block: its slice p of ⌈block width / split⌉,
+def slice_width(shards: StackShards, split: int) -> int:
+  """The width of column part p of a shard: its slice p of ⌈shard width / split⌉,
   zero-padded (`plan.padded_cols`)."""
-  return math.ceil(lay.block[1] / split)
+  return math.ceil(shards.shard[1] / split)
 
 
-def piece(lay: Layout, split: int) -> int:
-  """What one device sends of a matrix's column part: its slice of its block, split
-  between the block's replicas."""
-  return math.ceil(lay.block[0] * slice_width(lay, split) / lay.replicas)
+def piece(shards: StackShards, split: int) -> int:
+  """What one device sends of a matrix's column part: its slice of its shard, split
+  between the shard's replicas."""
+  return math.ceil(shards.shard[0] * slice_width(shards, split) / shards.replicas)
 
 
-def out_slice(lay_in: Layout, lay_out: Layout, split: int) -> int:
-  """The width of a result's slice in a block of the wanted layout: a split result's
+def out_slice(shards_in: StackShards, shards_out: StackShards, split: int) -> int:
+  """The width of a result's slice in a shard of the wanted layout: a split result's
   parts have the input's grid (the exchange splits only such stacks), hence its
   slices."""
-  return slice_width(lay_in, split) if split > 1 else lay_out.block[1]
+  return slice_width(shards_in, split) if split > 1 else shards_out.shard[1]
 
 
 class Span(NamedTuple):
@@ -190,12 +191,12 @@ class ExchangePlan(NamedTuple):
   of the one round it has a matrix in."""
 
   rounds: list[Round]
-  blockwise: set[int]  # rounds whose column parts are whole blocks (`by_blocks`)
+  whole_shards: set[int]  # rounds whose column parts are whole shards (`takes_whole_shards`)
   where: dict  # item -> (its round, its first device)
-  width: list[int]  # each round's pieces in a device's buffer row (0: block-wise)
+  width: list[int]  # each round's pieces in a device's buffer row (0: whole shards)
   round_width: list[int]  # each round's padded matrix width
-  back_width: list[int]  # each round's pieces in a row of the way back (0: block-wise)
-  slots: list[list[int]]  # the rounds that share each slot, block-wise ones alone
+  back_width: list[int]  # each round's pieces in a row of the way back (0: whole shards)
+  slots: list[list[int]]  # the rounds that share each slot, whole-shard ones alone
   slot: list[int]  # each round's slot
   slot_width: list[int]  # each slot's width in a buffer row: its widest round's
   back_slot_width: list[int]  # ... and in a row of the way back
@@ -203,35 +204,35 @@ class ExchangePlan(NamedTuple):
   back_start: list[int]  # ... and in a row of the way back
 
   @classmethod
-  def of(cls, rounds: list[Round], ins: list[Layout], outs: list[Layout], gather: bool,
+  def of(cls, rounds: list[Round], ins: list[StackShards], outs: list[StackShards], gather: bool,
          devices: int) -> ExchangePlan:
     """The plan of an exchange of `rounds` of stacks lying in `ins`, their results
     wanted in `outs` (or on every device: `gather`)."""
     members = lambda r: [item[0] for item in r.slots if item is not None]
     round_width = [max(ins[i].grid[1] * slice_width(ins[i], r.split) for i in members(r))
                    for r in rounds]
-    # Whole blocks where a block cannot be sliced into the split's parts unpadded; and
+    # Whole shards where a shard cannot be sliced into the split's parts unpadded; and
     # where every round can go so, as then no all-to-all over all the devices is needed.
     can = {t for t, r in enumerate(rounds)
-           if all(by_blocks(ins[i], r.split, devices) and (gather or outs[i] == ins[i])
+           if all(takes_whole_shards(ins[i], r.split, devices) and (gather or outs[i] == ins[i])
                   for i in members(r))}
-    narrow = {t for t in can if any(ins[i].block[1] % rounds[t].split for i in members(rounds[t]))}
-    blockwise = can if len(can) == len(rounds) else narrow
+    narrow = {t for t in can if any(ins[i].shard[1] % rounds[t].split for i in members(rounds[t]))}
+    whole_shards = can if len(can) == len(rounds) else narrow
     where = {}
     for t, r in enumerate(rounds):
       for d, item in enumerate(r.slots):
         where.setdefault(item, (t, d))
-    width = [0 if t in blockwise else max(piece(ins[i], r.split) for i in members(r))
+    width = [0 if t in whole_shards else max(piece(ins[i], r.split) for i in members(r))
              for t, r in enumerate(rounds)]
-    back_width = [0 if t in blockwise else
-                  max(outs[i].block[0] * out_slice(ins[i], outs[i], r.split) for i in members(r))
+    back_width = [0 if t in whole_shards else
+                  max(outs[i].shard[0] * out_slice(ins[i], outs[i], r.split) for i in members(r))
                   for t, r in enumerate(rounds)]
-    slots = shared_slots(rounds, apart=blockwise)
+    slots = shared_slots(rounds, apart=whole_shards)
     slot = [next(k for k, ts in enumerate(slots) if t in ts) for t in range(len(rounds))]
     slot_width = [max(width[t] for t in ts) for ts in slots]
     back_slot_width = [max(back_width[t] for t in ts) for ts in slots]
     start, back_start = (np.cumsum([0] + w).tolist() for w in (slot_width, back_slot_width))
-    return cls(rounds, blockwise, where, width, round_width, back_width, slots, slot,
+    return cls(rounds, whole_shards, where, width, round_width, back_width, slots, slot,
                slot_width, back_slot_width, [start[k] for k in slot],
                [back_start[k] for k in slot])
 
@@ -255,3 +256,46 @@ class ExchangePlan(NamedTuple):
     members = self.slots[slot]
     return [members.index(t) if t is not None else 0
             for t in (self.owner(slot, d) for d in range(len(self.rounds[0].slots)))]
+
+
+def buffer_elements(plan: ExchangePlan, gather: bool) -> float:
+  """About the elements a device holds in one exchange's buffers: what it receives, a
+  row from every device, and what it sends back (all of every result when `gather`);
+  a whole-shard round's part both ways."""
+  devices = len(plan.rounds[0].slots)
+  into = devices * sum(plan.slot_width)
+  if gather:
+    back = devices * sum(max(plan.rounds[t].rows * plan.round_width[t] for t in members)
+                         for members in plan.slots)
+  else:
+    back = devices * sum(plan.back_slot_width)
+  parts = sum(2 * plan.rounds[t].rows * plan.rounds[t].cols / plan.rounds[t].split
+              for t in plan.whole_shards)
+  return into + back + parts
+
+
+def unit_work(rounds: list[Round], unit: Unit) -> float:
+  """The float32 elements a unit of local work holds live (`working_set`)."""
+  r = rounds[unit.rounds[0]]
+  return len(unit.rounds) * working_set(r.rows, r.cols, r.split, unit.product_chunks)
+
+
+def exchanges_by_need(rounds: list[Round], ins: list[StackShards], outs: list[StackShards],
+                      gather: bool, budget: Optional[float], ns: NewtonSchulz = DEFAULT_NS
+                      ) -> int:
+  """How many exchanges memory needs (`MeshLayout.exchanges` None): the fewest whose
+  buffers (`buffer_elements`) each fit `budget` (float32 elements; None: no cap, one
+  exchange) beside the largest unit of local work (`units`); `EXCHANGES` where none
+  does. Never more than `split_into_exchanges` can cut: rounds that share devices
+  travel together."""
+  if budget is None or not rounds:
+    return 1
+  devices = len(rounds[0].slots)
+  work = max(unit_work(rounds, unit) for unit in units(rounds, budget, ns))
+  for count in range(1, EXCHANGES + 1):
+    parts = split_into_exchanges(rounds, count)
+    if len(parts) < count or all(
+        buffer_elements(ExchangePlan.of(part, ins, outs, gather, devices), gather) + work
+        <= budget for part in parts):
+      return len(parts)
+  return EXCHANGES

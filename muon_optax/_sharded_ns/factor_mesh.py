@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from muon_optax._newton_schulz.iteration import RowBlocks
 from muon_optax._placement.shardings import spec_axes
 from muon_optax._sharded_ns.rounds import group_sizes, prime_factors
-from muon_optax._sharded_ns.split_cost import apply_blocks
+from muon_optax._sharded_ns.split_cost import apply_chunks
 from muon_optax._util.order import after
 
 # The collectives of a matrix shared by a group of devices (its Gram sums and the whole
@@ -77,76 +77,90 @@ class FactorMesh(NamedTuple):
     with jax.named_scope(SHARED_MATRIX_SCOPE):
       return jax.lax.pmax(x, axes) if op is jnp.maximum else jax.lax.psum(x, axes)
 
-  def row_blocks(self, g: int, chunks: int = 1) -> RowBlocks:
+  def row_blocks(self, g: int, product_chunks: int = 1) -> RowBlocks:
     """The m×m matrices of a matrix shared by g devices, one block of rows on each
     (see `newton_schulz_column_parts`): Gram sums reduce-scattered, whole matrices
-    all-gathered, both over the group; their products formed `chunks` blocks at a
-    time (1: whole; `exchange_schedule.units` says where blocks are needed)."""
-    axes = self.group_axes(g)
+    all-gathered, both over the group; their products formed `most_product_chunks` chunks
+    at a time (1: whole; `exchange_schedule.units` says where chunks are needed)."""
+    group = _GroupRows(self.group_axes(g), g, product_chunks, dict(self.mesh.shape))
+    return RowBlocks(*map(_in_shared_scope, (group.summed, group.gather, group.rows,
+                                             group.transposed, group.times, group.applied,
+                                             group.gram)))
 
-    def rows(x):
-      h, axis = x.shape[-2] // g, x.ndim - 2
-      index = linear_index(axes, dict(self.mesh.shape))
-      return jax.lax.dynamic_slice_in_dim(x, index * h, h, axis=axis)
 
-    def transposed(x):  # column block k of every device's rows: its rows of the transpose
-      cols = jax.lax.all_to_all(x, axes, x.ndim - 1, x.ndim - 2, tiled=True)
-      return jnp.swapaxes(cols, -1, -2)
+class _GroupRows(NamedTuple):
+  """The `RowBlocks` of a group of g devices over the factor axes `axes`: each holds one
+  block of rows of every m×m matrix; products are formed `chunks` chunks at a time."""
 
-    def gather(x):  # along a new major axis: no relayout copy when the batch is one matrix
-      blocks = jnp.moveaxis(jax.lax.all_gather(x, axes, axis=0), 0, -3)
-      return blocks.reshape(*x.shape[:-2], -1, x.shape[-1])
+  axes: tuple[str, ...]
+  g: int
+  chunks: int
+  sizes: dict
 
-    def times(a, b, mm):
-      # a's rows of A B, B's whole columns gathered one block at a time, each once the
-      # last block's product is done (the first once A is): so that only one is live,
-      # and a second product with the same B gathers its own instead of keeping these.
-      k = math.gcd(chunks, b.shape[-1])
-      b = mm.operand(b)  # gathered as the product reads it
-      if k == 1:  # B gathered whole: products with the same B share it
-        return mm(a, gather(b))
-      w, out = b.shape[-1] // k, []
-      for c in range(k):
-        block = b[..., c * w:(c + 1) * w]
-        out.append(mm(a, gather(after(block, out[-1:] or [a]))))
-      return jnp.concatenate(out, axis=-1)
+  def rows(self, x):
+    h, axis = x.shape[-2] // self.g, x.ndim - 2
+    index = linear_index(self.axes, self.sizes)
+    return jax.lax.dynamic_slice_in_dim(x, index * h, h, axis=axis)
 
-    summed = lambda x: jax.lax.psum_scatter(x, axes, scatter_dimension=x.ndim - 2, tiled=True)
+  def transposed(self, x):
+    """Column block k of every device's rows: its rows of the transpose."""
+    cols = jax.lax.all_to_all(x, self.axes, x.ndim - 1, x.ndim - 2, tiled=True)
+    return jnp.swapaxes(cols, -1, -2)
 
-    def applied(a, x, mm):
-      # Rows of M X a few at a time: block c gathers sub-block c of every part's rows
-      # of M, and gives those rows of the result; each once the last block's is done.
-      # The blocks are then put together in a new X-sized array, once X (usually
-      # read last here) is gone. Only where the whole M is larger than X's part
-      # (`apply_blocks`); else M is gathered whole.
-      batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
-      k = apply_blocks(a.shape[-1], n, g, jnp.dtype(mm.operands).itemsize, x.dtype.itemsize,
-                       chunks)
-      a = mm.operand(a)  # gathered as the product reads it
-      if k == 1:
-        return mm(gather(a), x)
-      sub, out = a.reshape(*batch, k, h // k, a.shape[-1]), []
-      for c in range(k):
-        out.append(mm(gather(after(sub[..., c, :, :], out[-1:])), x))
-      out = jnp.stack([y.reshape(*batch, g, h // k, n) for y in out], axis=-3)
-      return out.reshape(*batch, g * h, n)
+  def gather(self, x):
+    """Along a new major axis: no relayout copy when the batch is one matrix."""
+    blocks = jnp.moveaxis(jax.lax.all_gather(x, self.axes, axis=0), 0, -3)
+    return blocks.reshape(*x.shape[:-2], -1, x.shape[-1])
 
-    def gram(x, mm, peak=None):
-      # Rows of X Xᵀ summed a few at a time: block c holds rows c of every part's rows
-      # (sub-block c of each of the g row blocks), so that its reduce-scatter hands each
-      # part its own rows c; each once the last block's sum is done. A compiler may
-      # copy a product's right operand into the layout it reads (XLA's CPU backend
-      # does): block Xᵀ copies all of X, the transpose of X blockᵀ copies the block
-      # and the product instead, which is less where X's part is wider than m / (k - 1).
-      batch, (m, n) = x.shape[:-2], x.shape[-2:]
-      k = math.gcd(chunks, m // g)
-      sub, out = x.reshape(*batch, g, k, m // g // k, n), []
-      swapped = lambda v: jnp.swapaxes(v, -1, -2)
-      for c in range(k):
-        block = after(sub[..., c, :, :].reshape(*batch, m // k, n), out[-1:])
-        block = block if peak is None else block / peak / peak  # see `gram_rows`
-        rows = swapped(mm(x, swapped(block))) if n * (k - 1) > m else mm(block, swapped(x))
-        out.append(summed(rows))
-      return jnp.concatenate(out, axis=-2)
+  def summed(self, x):
+    return jax.lax.psum_scatter(x, self.axes, scatter_dimension=x.ndim - 2, tiled=True)
 
-    return RowBlocks(*map(_in_shared_scope, (summed, gather, rows, transposed, times, applied, gram)))
+  def times(self, a, b, mm):
+    """a's rows of A B, B's whole columns gathered one chunk at a time, each once the
+    last chunk's product is done (the first once A is): so that only one is live, and
+    a second product with the same B gathers its own instead of keeping these."""
+    k = math.gcd(self.chunks, b.shape[-1])
+    b = mm.operand(b)  # gathered as the product reads it
+    if k == 1:  # B gathered whole: products with the same B share it
+      return mm(a, self.gather(b))
+    width, out = b.shape[-1] // k, []
+    for c in range(k):
+      chunk = b[..., c * width:(c + 1) * width]
+      out.append(mm(a, self.gather(after(chunk, out[-1:] or [a]))))
+    return jnp.concatenate(out, axis=-1)
+
+  def applied(self, a, x, mm):
+    """Rows of M X a few at a time: chunk c gathers sub-block c of every part's rows of
+    M, and gives those rows of the result; each once the last chunk's is done. The
+    chunks are then put together in a new X-sized array, once X (usually read last
+    here) is gone. Only where the whole M is larger than X's part (`apply_chunks`);
+    else M is gathered whole."""
+    batch, (h, n) = x.shape[:-2], (a.shape[-2], x.shape[-1])
+    k = apply_chunks(a.shape[-1], n, self.g, jnp.dtype(mm.operands).itemsize,
+                     x.dtype.itemsize, self.chunks)
+    a = mm.operand(a)  # gathered as the product reads it
+    if k == 1:
+      return mm(self.gather(a), x)
+    sub, out = a.reshape(*batch, k, h // k, a.shape[-1]), []
+    for c in range(k):
+      out.append(mm(self.gather(after(sub[..., c, :, :], out[-1:])), x))
+    out = jnp.stack([y.reshape(*batch, self.g, h // k, n) for y in out], axis=-3)
+    return out.reshape(*batch, self.g * h, n)
+
+  def gram(self, x, mm, peak=None):
+    """Rows of X Xᵀ summed a few at a time: chunk c holds rows c of every part's rows
+    (sub-block c of each of the g row blocks), so that its reduce-scatter hands each
+    part its own rows c; each once the last chunk's sum is done. A compiler may copy a
+    product's right operand into the layout it reads (XLA's CPU backend does): chunk Xᵀ
+    copies all of X, the transpose of X chunkᵀ copies the chunk and the product
+    instead, which is less where X's part is wider than m / (k - 1)."""
+    batch, (m, n), g = x.shape[:-2], x.shape[-2:], self.g
+    k = math.gcd(self.chunks, m // g)
+    sub, out = x.reshape(*batch, g, k, m // g // k, n), []
+    swapped = lambda v: jnp.swapaxes(v, -1, -2)
+    for c in range(k):
+      chunk = after(sub[..., c, :, :].reshape(*batch, m // k, n), out[-1:])
+      chunk = chunk if peak is None else chunk / peak / peak  # see `gram_rows`
+      rows = swapped(mm(x, swapped(chunk))) if n * (k - 1) > m else mm(chunk, swapped(x))
+      out.append(self.summed(rows))
+    return jnp.concatenate(out, axis=-2)

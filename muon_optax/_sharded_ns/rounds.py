@@ -14,6 +14,7 @@ from muon_optax._sharded_ns.split_cost import (
   COLLECTIVE_BYTES,
   FLOPS_PER_BYTE,
   matmul_passes,
+  memory_budget,
   split_bytes,
   split_collectives,
   split_flops,
@@ -39,15 +40,15 @@ def power_of_two_groups(devices: int) -> tuple[int, ...]:
   return tuple(2**k for k in range(1, devices.bit_length()) if devices % 2**k == 0)
 
 
-def padded_cols(cols: int, blocks: int, split: int) -> int:
-  """Columns of a matrix cut into `split` column parts when it lies in `blocks` column
-  blocks. Where the split divides the block width, each block is cut into `split`
-  slices; else, where it divides the number of blocks, each part takes whole blocks
-  (`by_blocks`); else the slices are zero-padded to a multiple of `split` (zero columns
+def padded_cols(cols: int, shards: int, split: int) -> int:
+  """Columns of a matrix cut into `split` column parts when it lies in `shards` column
+  shards. Where the split divides the shard width, each shard is cut into `split`
+  slices; else, where it divides the number of shards, each part takes whole shards
+  (`takes_whole_shards`); else the slices are zero-padded to a multiple of `split` (zero columns
   are exact for Newton–Schulz: X Xᵀ is unchanged, and their result is zero)."""
-  if (cols // blocks) % split == 0 or blocks % split == 0:
+  if (cols // shards) % split == 0 or shards % split == 0:
     return cols
-  return blocks * math.ceil(cols // blocks / split) * split
+  return shards * math.ceil(cols // shards / split) * split
 
 
 def _splits(items: list[Item], devices: int, split_ok: SplitOk, groups: tuple[int, ...],
@@ -57,23 +58,23 @@ def _splits(items: list[Item], devices: int, split_ok: SplitOk, groups: tuple[in
   return [g for g in [1, *fits] if g >= least]
 
 
-def _round_cost(rows: int, cols: int, g: int, ns: NewtonSchulz, blocks: int,
+def _round_cost(rows: int, cols: int, g: int, ns: NewtonSchulz, shards: int,
                 flops_per_byte: float) -> float:
   """What one device's part of a round of rows×cols matrices split over g costs: its
   flops plus its split traffic at `flops_per_byte`."""
-  return (split_flops(rows, padded_cols(cols, blocks, g), g, ns)
+  return (split_flops(rows, padded_cols(cols, shards, g), g, ns)
           + flops_per_byte * split_bytes(rows, g, ns))
 
 
 def _ladder(count: int, rows: int, cols: int, devices: int, ns: NewtonSchulz,
-            splits: list[int], blocks: int, flops_per_byte: float) -> tuple[int, ...]:
+            splits: list[int], shards: int, flops_per_byte: float) -> tuple[int, ...]:
   """The splits, one per round, of the rounds that run `count` matrices of one shape at
   the least flops and traffic (`_round_cost` summed over the rounds): a round at split g
   runs devices // g of them. Rounds of different splits fill the devices where one
   split cannot: 96 matrices on 256 devices run as 64 over groups of 4, then 32 over
   groups of 8, not as 96 over pairs with 64 devices idle. Whether the fixed cost of
   their collectives is worth paying is `plan_rounds`'s call. Smaller splits win ties."""
-  cost = {g: _round_cost(rows, cols, g, ns, blocks, flops_per_byte) for g in splits}
+  cost = {g: _round_cost(rows, cols, g, ns, shards, flops_per_byte) for g in splits}
   best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]  # (cost, splits) by count
   for c in range(1, count + 1):
     options = []
@@ -84,11 +85,11 @@ def _ladder(count: int, rows: int, cols: int, devices: int, ns: NewtonSchulz,
   return best[count][1]
 
 
-def _ladder_cost(ladder: tuple[int, ...], rows: int, cols: int, ns: NewtonSchulz, blocks: int,
+def _ladder_cost(ladder: tuple[int, ...], rows: int, cols: int, ns: NewtonSchulz, shards: int,
                  flops_per_byte: float) -> float:
   """What one device's part of a ladder's rounds costs: their flops and traffic
   (`_round_cost`), and the fixed cost of each kind of split's collectives."""
-  return (sum(_round_cost(rows, cols, g, ns, blocks, flops_per_byte) for g in ladder)
+  return (sum(_round_cost(rows, cols, g, ns, shards, flops_per_byte) for g in ladder)
           + flops_per_byte * COLLECTIVE_BYTES
           * sum(split_collectives(rows, cols, g, ns) for g in set(ladder)))
 
@@ -104,13 +105,13 @@ def _least_split(items: list[Item], rows: int, cols: int, devices: int, split_ok
 
 
 # A plan within this factor of the ideal per-device flops splits no further matrix: each
-# split adds collectives inside the iterations (the Gram sums and the row-block gathers).
+# split adds collectives inside the iterations (the Gram sums and the row-shard gathers).
 SPLIT_TOLERANCE = 1.05
 
 
 def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz = DEFAULT_NS,
                 split_ok: Optional[SplitOk] = None, groups: Optional[tuple[int, ...]] = None,
-                col_blocks: Optional[list[int]] = None,
+                col_shards: Optional[list[int]] = None,
                 flops_per_byte: float = FLOPS_PER_BYTE,
                 budget: Optional[float] = None) -> list[Round]:
   """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
@@ -124,7 +125,7 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   16-bit matmul flops: see `matmul_passes`), while that saving is positive and until
   the plan is within `SPLIT_TOLERANCE` of the ideal (total flops / devices). Splits need
   `split_ok(item, g)`; `groups` are the group sizes the mesh can reduce over (default:
-  powers of two); `col_blocks[i]` is the number of column blocks stack i lies in
+  powers of two); `col_shards[i]` is the number of column shards stack i lies in
   (default 1), which pads its column parts (`padded_cols`). With a `budget` (float32
   elements), every matrix of a shape whose `working_set` whole exceeds it is split,
   over the fewest devices that fit it (at least), whatever its flops.
@@ -132,10 +133,8 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   flops_per_byte /= matmul_passes(ns)
   split_ok = split_ok or (lambda item, g: True)
   groups = power_of_two_groups(devices) if groups is None else groups
-  col_blocks = col_blocks or [1] * len(shapes)
-  by_shape: dict[tuple[int, int], list[Item]] = {}
-  for i, (count, rows, cols) in enumerate(shapes):
-    by_shape.setdefault((rows, cols), []).extend((i, j) for j in range(count))
+  col_shards = col_shards or [1] * len(shapes)
+  by_shape = _by_shape(shapes)
   # Largest shapes first: their rounds come first in the exchange buffers.
   order = sorted(by_shape, key=lambda shape: -_flops(*shape, ns))
   least = {shape: _least_split(items, *shape, devices, split_ok, groups, budget)
@@ -143,16 +142,16 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   # A shape that must be split is all rest: none of its matrices runs whole.
   rests = {shape: by_shape[shape][0 if least[shape] > 1 else
                                   len(by_shape[shape]) // devices * devices:] for shape in order}
-  blocks = {shape: max(col_blocks[i] for i, _ in items) for shape, items in by_shape.items()}
+  shards = {shape: max(col_shards[i] for i, _ in items) for shape, items in by_shape.items()}
   ladder = {shape: _ladder(len(rest), *shape, devices, ns,
-                          _splits(rest, devices, split_ok, groups, least[shape]), blocks[shape],
+                          _splits(rest, devices, split_ok, groups, least[shape]), shards[shape],
                           flops_per_byte)
             for shape, rest in rests.items() if rest}
-  flops = lambda shape, splits: sum(split_flops(shape[0], padded_cols(shape[1], blocks[shape], g),
+  flops = lambda shape, splits: sum(split_flops(shape[0], padded_cols(shape[1], shards[shape], g),
                                                 g, ns) for g in splits)
   # What a shape's ladder saves in flops against one round of whole matrices, less what
   # its traffic and its collectives' fixed cost cost.
-  saving = {shape: _flops(*shape, ns) - _ladder_cost(ladder[shape], *shape, ns, blocks[shape],
+  saving = {shape: _flops(*shape, ns) - _ladder_cost(ladder[shape], *shape, ns, shards[shape],
                                                      flops_per_byte) for shape in ladder}
   forced = {shape for shape in ladder if least[shape] > 1}
   splits = {shape: ladder[shape] if shape in forced else (1,) for shape in ladder}
@@ -165,16 +164,31 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
       break
     total += flops(shape, ladder[shape]) - flops(shape, (1,))
     splits[shape] = ladder[shape]
-  rounds = []
-  for (rows, cols) in order:
-    items = by_shape[rows, cols]
-    full = len(items) - len(rests[rows, cols])
-    rounds += [Round(rows, cols, tuple(items[s:s + devices])) for s in range(0, full, devices)]
-    rest = iter(rests[rows, cols])
-    for g in splits.get((rows, cols), ()):
-      slots = tuple(item for _, item in zip(range(devices // g), rest) for _ in range(g))
-      rounds.append(Round(rows, cols, slots + (None,) * (devices - len(slots)), g))
+  rounds = [r for shape in order
+            for r in _shape_rounds(shape, by_shape[shape], rests[shape], splits.get(shape, ()),
+                                   devices)]
   return placed(rounds, devices)
+
+
+def _by_shape(shapes: list[tuple[int, int, int]]) -> dict[tuple[int, int], list[Item]]:
+  """The items of stacks of shapes (count, rows, cols), grouped by matrix shape."""
+  by_shape: dict[tuple[int, int], list[Item]] = {}
+  for i, (count, rows, cols) in enumerate(shapes):
+    by_shape.setdefault((rows, cols), []).extend((i, j) for j in range(count))
+  return by_shape
+
+
+def _shape_rounds(shape: tuple[int, int], items: list[Item], rest: list[Item],
+                  splits: tuple[int, ...], devices: int) -> list[Round]:
+  """The rounds of one shape: its items but the `rest` whole, one per device, then the
+  rest in rounds of these `splits`."""
+  full = len(items) - len(rest)
+  rounds = [Round(*shape, tuple(items[s:s + devices])) for s in range(0, full, devices)]
+  left = iter(rest)
+  for g in splits:
+    slots = tuple(item for _, item in zip(range(devices // g), left) for _ in range(g))
+    rounds.append(Round(*shape, slots + (None,) * (devices - len(slots)), g))
+  return rounds
 
 
 def placed(rounds: list[Round], devices: int) -> list[Round]:
@@ -201,24 +215,51 @@ def placed(rounds: list[Round], devices: int) -> list[Round]:
 
 
 def _flops(rows: int, cols: int, ns: NewtonSchulz) -> int:
-  return newton_schulz_plan((rows, cols), ns).flops
+  """A whole matrix's flops as `split_flops` counts them: with whole products."""
+  return newton_schulz_plan((rows, cols), ns, symmetric=False).flops
 
 
 def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
                      ns: NewtonSchulz = DEFAULT_NS, groups: Optional[tuple[int, ...]] = None,
                      split_ok: Optional[SplitOk] = None,
-                     col_blocks: Optional[list[int]] = None,
+                     col_shards: Optional[list[int]] = None,
                      flops_per_byte: float = FLOPS_PER_BYTE,
                      budget: Optional[float] = None) -> int:
   """Newton–Schulz flops each device runs under `plan_rounds`."""
-  col_blocks = col_blocks or [1] * len(shapes)
-  def flops(r: Round) -> int:
-    if r.split == 1:
-      return _flops(r.rows, r.cols, ns)
-    blocks = max(col_blocks[item[0]] for item in r.slots if item is not None)
-    return split_flops(r.rows, padded_cols(r.cols, blocks, r.split), r.split, ns)
-  return sum(flops(r) for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_blocks,
-                                           flops_per_byte, budget))
+  col_shards = col_shards or [1] * len(shapes)
+  return sum(_round_flops(r, col_shards, ns)
+             for r in plan_rounds(shapes, devices, ns, split_ok, groups, col_shards,
+                                  flops_per_byte, budget))
+
+
+def _round_flops(r: Round, col_shards: list[int], ns: NewtonSchulz) -> int:
+  """The Newton–Schulz flops a device runs in round r."""
+  if r.split == 1:
+    return _flops(r.rows, r.cols, ns)
+  shards = max(col_shards[item[0]] for item in r.slots if item is not None)
+  return split_flops(r.rows, padded_cols(r.cols, shards, r.split), r.split, ns)
+
+
+class MeshPlan(NamedTuple):
+  """How the Newton–Schulz work of some matrix stacks is dealt over a mesh's devices."""
+
+  rounds: tuple[tuple[int, int, int], ...]  # (rows, cols, split) of each round, in order
+  flops_per_device: int  # the Newton–Schulz flops each device runs
+  ideal_flops_per_device: float  # every matrix's flops over the devices
+
+
+def device_plan(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchulz,
+                col_shards: list[int], flops_per_byte: float, memory: Optional[float]
+                ) -> MeshPlan:
+  """`plan_rounds` of stacks of wide matrices (count, rows, cols), lying in `col_shards`
+  column shards, on a 1-D mesh of `devices` devices under the memory cap `memory`
+  (`MeshLayout.memory`)."""
+  groups = group_sizes(prime_factors(devices))
+  budget = memory_budget(shapes, devices, memory)
+  rounds = plan_rounds(shapes, devices, ns, None, groups, col_shards, flops_per_byte, budget)
+  flops = sum(_round_flops(r, col_shards, ns) for r in rounds)
+  ideal = sum(count * _flops(rows, cols, ns) for count, rows, cols in shapes) / devices
+  return MeshPlan(tuple((r.rows, r.cols, r.split) for r in rounds), flops, ideal)
 
 
 def prime_factors(n: int) -> list[int]:

@@ -24,52 +24,57 @@ def rows_split(rows: int, split: int) -> bool:
 def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols) matrix
   split over `split` devices: products with X are split by columns; the rows×rows
-  products by rows when `rows_split`, else repeated on each device."""
-  plan = newton_schulz_plan((rows, cols), ns)
+  products by rows when `rows_split`, else repeated on each device. Counted with whole
+  products throughout: a mesh's row blocks compute them so, and whole and split matrices
+  are weighed alike (a whole matrix's symmetric products save it about a quarter)."""
+  plan = newton_schulz_plan((rows, cols), ns, symmetric=False)
   if rows_split(rows, split):
     return plan.flops // split
   return plan.flops - plan.x_flops + plan.x_flops // split
 
 
-# An m×m product of a shared matrix may form the whole right factor this many column
-# blocks at a time (`FactorMesh.row_blocks`): one block is live, never the whole m×m. A
-# unit of work does so only where the memory cap needs it (`exchange_schedule.units`): each
-# block is a collective of its own.
+# An m×m product of a shared matrix may form the whole right factor in this many chunks
+# of columns, one at a time (`FactorMesh.row_blocks`): one chunk is live, never the whole
+# m×m. A unit of work does so only where the memory cap needs it
+# (`exchange_schedule.units`): each chunk is a collective of its own.
 PRODUCT_CHUNKS = 4
 # ... where the matrix has more rows than this: below, a whole m×m (16 MB in float32)
 # is small beside any device's memory.
 CHUNKED_ABOVE_ROWS = 2048
 
 
-def product_chunks(rows: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
-  """The most blocks an m×m product of a shared matrix with `rows` rows is formed in."""
+def most_product_chunks(rows: int, chunked_above: int = CHUNKED_ABOVE_ROWS) -> int:
+  """The most chunks an m×m product of a shared matrix with `rows` rows is formed in."""
   return PRODUCT_CHUNKS if rows > chunked_above else 1
 
 
-def apply_blocks(rows: int, part_cols: int, split: int, operand_bytes: int = 4,
-                 x_bytes: int = 4, chunks: Optional[int] = None) -> int:
-  """How many blocks of rows M X is formed in for a matrix of `rows` rows shared by
+def apply_chunks(rows: int, part_cols: int, split: int, operand_bytes: int = 4,
+                 x_bytes: int = 4, product_chunks: Optional[int] = None) -> int:
+  """How many chunks of rows M X is formed in for a matrix of `rows` rows shared by
   `split` devices, each with `part_cols` columns of X (`FactorMesh.row_blocks`), where
-  its m×m products are formed in `chunks` blocks (default: the most, `product_chunks`):
-  the Gram sums' blocks where the whole m×m, gathered as `operand_bytes`-byte operands,
-  is larger than X's part (`x_bytes` an element), else 1. Blocks leave X, the result
-  and a block of M live, against the whole M, but add collectives and k result buffers
+  its m×m products are formed in `product_chunks` chunks (default: the most,
+  `most_product_chunks`): the Gram sums' chunks where the whole m×m, gathered as
+  `operand_bytes`-byte operands,
+  is larger than X's part (`x_bytes` an element), else 1. Chunks leave X, the result
+  and a chunk of M live, against the whole M, but add collectives and k result buffers
   that are put together in a new array, which fragments a compiler's heap: they pay
   only where M is the larger."""
   if rows * operand_bytes <= part_cols * x_bytes:
     return 1
-  return math.gcd(product_chunks(rows) if chunks is None else chunks, rows // split)
+  chunks = most_product_chunks(rows) if product_chunks is None else product_chunks
+  return math.gcd(chunks, rows // split)
 
 
-def working_set(rows: int, cols: int, split: int, chunks: Optional[int] = None) -> float:
+def working_set(rows: int, cols: int, split: int, product_chunks: Optional[int] = None
+                ) -> float:
   """About the float32 elements one device holds live while it orthogonalizes its part
   of a rows×cols (rows ≤ cols) matrix split over `split` devices: its part and the next
-  one, four m×m matrices (or their row blocks, see `rows_split`), and a block of a
-  whole m×m gathered for a product, formed in `chunks` blocks (default: the most,
-  `product_chunks`)."""
+  one, four m×m matrices (or their row blocks, see `rows_split`), and a chunk of a
+  whole m×m gathered for a product, formed in `product_chunks` chunks (default: the most,
+  `most_product_chunks`)."""
   part, square = rows * cols / split, rows * rows
   if rows_split(rows, split):
-    chunks = product_chunks(rows) if chunks is None else chunks
+    chunks = most_product_chunks(rows) if product_chunks is None else product_chunks
     return 2 * part + 4 * square / split + square / chunks
   return 2 * part + 4 * square
 
@@ -98,9 +103,9 @@ def memory_budget(shapes: list[tuple[int, int, int]], devices: int,
 
 
 # A unit of split work forms its m×m products whole only where its work with them fits
-# this share of the memory cap (by default one state shard), else in blocks
-# (`exchange_schedule.units`): a whole m×m saves its blocks' collectives, and within this
-# share a step's temporary memory stays where the blocks kept it
+# this share of the memory cap (by default one state shard), else in chunks
+# (`exchange_schedule.units`): a whole m×m saves its chunks' collectives, and within this
+# share a step's temporary memory stays where the chunks kept it
 # (benchmarks/results/scale.jsonl).
 WHOLE_PRODUCTS_SHARE = 0.5
 
@@ -131,15 +136,15 @@ COLLECTIVE_BYTES = 6e6
 
 
 def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
-                      chunks: Optional[int] = None) -> int:
+                      product_chunks: Optional[int] = None) -> int:
   """How many collectives a kind of split adds to the iteration on rows×cols (rows ≤
   cols) matrices (the split matrices of one shape and split run together, so that each
   serves all of them), counted from what `newton_schulz_column_parts` runs with
   `FactorMesh.row_blocks`: the norm (its peak and, without AOL, its sum of squares); a
-  Gram sum reduce-scattered per block of rows; a whole m×m gathered per block of its
-  columns for each m×m product, per block of rows for M X (`apply_blocks`); the
-  Gram-space iteration's transposes; the m×m products formed in `chunks` blocks
-  (default: the most, `product_chunks`). Without `rows_split`, each part holds the m×m
+  Gram sum reduce-scattered per chunk of rows; a whole m×m gathered per chunk of its
+  columns for each m×m product, per chunk of rows for M X (`apply_chunks`); the
+  Gram-space iteration's transposes; the m×m products formed in `product_chunks` chunks
+  (default: the most, `most_product_chunks`). Without `rows_split`, each part holds the m×m
   whole: one all-reduce per Gram sum."""
   if split == 1:
     return 0
@@ -149,9 +154,9 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
   grams = plan.steps if plan.variant == "standard" else len(plan.segments)
   if not rows_split(rows, split):
     return norm + grams
-  chunks = product_chunks(rows) if chunks is None else chunks
+  chunks = most_product_chunks(rows) if product_chunks is None else product_chunks
   gram, product = math.gcd(chunks, rows // split), math.gcd(chunks, rows)
-  apply = apply_blocks(rows, cols // split, split, ns.dtype().itemsize, chunks=chunks)
+  apply = apply_chunks(rows, cols // split, split, ns.dtype().itemsize, product_chunks=chunks)
   count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
   if plan.variant == "standard":
     return count + plan.steps * (product + apply)

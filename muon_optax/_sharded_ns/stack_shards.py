@@ -1,5 +1,6 @@
-"""How a (count, rows, cols) matrix stack lies on a mesh: the block every device holds,
-and what that allows (whole blocks as column parts, matrices already owned whole)."""
+"""How a (count, rows, cols) matrix stack lies on a mesh: the shard of every matrix each
+device holds, and what that allows (whole shards as column parts, matrices already owned
+whole)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,21 @@ from jax.sharding import PartitionSpec as P
 from muon_optax._placement.shardings import spec_axes
 
 
-class Layout(NamedTuple):
-  """How a (count, rows, cols) stack lies on the mesh: every device holds the same
-  (bh, bw) block of each matrix; `where[s]` = (block row, block col, replica) of
-  device s (row-major over the mesh axes) and `grid` = (block rows, block cols)."""
+class StackShards(NamedTuple):
+  """How a (count, rows, cols) stack lies on the mesh: every device holds a `shard`
+  (rows, cols) of each matrix; `where[s]` = (shard row, shard col, replica) of device s
+  (row-major over the mesh axes) and `grid` = (shard rows, shard cols)."""
 
   spec: P
   grid: tuple[int, int]
-  block: tuple[int, int]
+  shard: tuple[int, int]
   replicas: int
   where: tuple[tuple[int, int, int], ...]
 
 
-def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:
+def shards_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> StackShards:
   """The supported layout closest to `sharding`: the count axis unsplit and the
-  matrix axes split evenly; axes it drops make the block replicated over them."""
+  matrix axes split evenly; axes it drops make the shard replicated over them."""
   spec = list(getattr(sharding, "spec", P())) + [None] * 3
   sizes = dict(mesh.shape)
   keep = [()]
@@ -46,20 +47,20 @@ def layout_of(sharding, shape: tuple[int, int, int], mesh: Mesh) -> Layout:
   where = tuple(zip(radix(keep[1]), radix(keep[2]), radix(rest)))
   grid = tuple(math.prod(sizes[a] for a in keep[d]) for d in (1, 2))
   entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
-  return Layout(P(None, entry(keep[1]), entry(keep[2])), grid,
+  return StackShards(P(None, entry(keep[1]), entry(keep[2])), grid,
                 (shape[1] // grid[0], shape[2] // grid[1]),
                 math.prod(sizes[a] for a in rest), where)
 
 
-def by_blocks(lay: Layout, split: int, devices: int) -> bool:
-  """Whether a stack's column parts take whole blocks: its columns lie in one block per
-  device (device s holds block s, no replicas) and `split` divides the block count.
-  Part p of a matrix is then blocks p, p + g, p + 2g, …, which devices send to its
+def takes_whole_shards(shards: StackShards, split: int, devices: int) -> bool:
+  """Whether a stack's column parts take whole shards: its columns lie in one shard per
+  device (device s holds shard s, no replicas) and `split` divides the shard count.
+  Part p of a matrix is then shards p, p + g, p + 2g, …, which devices send to its
   owner in an all-to-all among the devices of one residue mod g: each device sends a
-  block to one owner, in a collective over n/g devices, where slicing every block
+  shard to one owner, in a collective over n/g devices, where slicing every shard
   into g pieces would send to g owners, in one over all n."""
-  return (split > 1 and lay.grid == (1, devices) and lay.replicas == 1
-          and all(w[1] == s for s, w in enumerate(lay.where)) and devices % split == 0)
+  return (split > 1 and shards.grid == (1, devices) and shards.replicas == 1
+          and all(w[1] == s for s, w in enumerate(shards.where)) and devices % split == 0)
 
 
 def owned(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:

@@ -162,3 +162,45 @@ def test_backend_names_and_state_layouts_are_checked():
   with pytest.raises(ValueError, match="expects a ScaleByAdamState but got a ReferenceAdamState"
                      r".*convert_adam_state\(state, params, 'optax'\)"):
     jax.eval_shape(make_tx("optax").update, grads, state, params)
+
+
+# optax.adamw's arguments as a user moving from it has them: its defaults, its names.
+ADAMW_KWARGS = [
+    {"learning_rate": 1e-2},  # optax.adamw's default weight decay, 1e-4, is not AuxAdam's 0
+    {"learning_rate": optax.linear_schedule(1e-2, 1e-3, 20), "b1": 0.8, "b2": 0.95,
+     "eps": 1e-6, "weight_decay": 0.1, "mask": MASK, "nesterov": True},
+    {"learning_rate": 3e-3, "weight_decay": optax.linear_schedule(0.1, 0.0, 10),
+     "mu_dtype": jnp.bfloat16},
+]
+
+
+@pytest.mark.parametrize("kwargs", ADAMW_KWARGS, ids=["defaults", "all set", "bfloat16 m"])
+def test_aux_adam_from_adamw_is_optax_adamw(kwargs):
+  """AuxAdam.from_adamw(**kw) updates as optax.adamw(**kw): alone, and as muon's aux branch."""
+  params = make_params()
+  grads = jax.tree.map(lambda p: jnp.cos(p) + 0.5, params)
+  steps, atol = 3, 8 * 4 * EPS32  # params ≲ 4, as above
+  if kwargs.get("mu_dtype") == jnp.bfloat16:
+    # optax rounds b1·m to bfloat16 before adding (1 − b1)·g; AuxAdam adds in float32.
+    # Each step's m̂/√v̂ (±1 here: the gradients are constant) is then off by ≤ 2 ulps
+    # of bfloat16, times the rate.
+    atol += steps * kwargs["learning_rate"] * 2 * float(jnp.finfo(jnp.bfloat16).eps)
+  expected, ours = run([optax.adamw(**kwargs), mo.AuxAdam.from_adamw(**kwargs).transform()],
+                       params, grads, steps)
+  assert_trees_close(ours, expected, rtol=0, atol=atol)
+  routing = mo.Routing.from_rules()
+  expected, ours = run([mo.muon(0.02, routing=routing, adam=optax.adamw(**kwargs)),
+                        mo.muon(0.02, routing=routing, adam=mo.AuxAdam.from_adamw(**kwargs))],
+                       params, grads, steps)
+  assert_trees_close(ours, expected, rtol=0, atol=atol)
+
+
+def test_aux_adam_from_adamw_refuses_what_it_cannot_do():
+  with pytest.raises(ValueError, match=r"eps_root.*adam=optax.adamw\(\.\.\., eps_root=1e-08\)"):
+    mo.AuxAdam.from_adamw(1e-3, eps_root=1e-8)
+  with pytest.raises(ValueError, match=r"\['beta1'\] are not optax.adamw arguments"):
+    mo.AuxAdam.from_adamw(1e-3, beta1=0.9)
+  with pytest.raises(ValueError, match="AuxAdam b2"):
+    mo.AuxAdam.from_adamw(1e-3, b2=1.0)
+  assert mo.AuxAdam.from_adamw(1e-3, eps_root=0.0, backend="reference") == mo.AuxAdam(
+      1e-3, weight_decay=1e-4, backend="reference")

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import linen_lm_case
 import pytest
 
 import muon_optax as mo
@@ -46,3 +47,17 @@ def test_routing_of_other_params_is_an_error_naming_the_path():
                              {"w": jnp.ones((4, 4)), "o": jnp.ones((4, 2))}, jnp.ones((2, 4)))
   with pytest.raises(ValueError, match=r"'v'.*not in this Routing"):
     routing.labels({"v": jnp.ones((4, 4))})
+
+
+def test_linen_params_given_for_the_variables_suggests_them():
+  """A Linen apply takes the variables: given only their "params" collection, Flax cannot
+  find it, and the error says what to pass."""
+  model, params, tokens = linen_lm_case.model_and_params()
+  with pytest.raises(ValueError, match=r"ScopeCollectionNotFound.*\n.*pass the variables, "
+                     r"\{'params': params\}: infer_routing\(model.apply, \{'params': params\}"):
+    mo.infer_routing(model.apply, params, tokens)
+  routing = mo.infer_routing(model.apply, {"params": params}, tokens)
+  assert routing.labels(params)["embed"]["embedding"] == "adam"
+  with pytest.raises(ValueError) as other:  # another cause: no suggestion
+    mo.infer_routing(model.apply, {"params": params}, jnp.zeros((2, 3, 4)))
+  assert "{'params': params}" not in str(other.value)

@@ -1,5 +1,6 @@
-"""Checkpoints that survive kills and detect corruption: a listed step always restores,
-a damaged array or record is named with its step, leaf and file."""
+"""A step's files: a listed step always restores after a kill, the inventory finds
+missing, resized and changed files, and a damaged array or record is named with its
+step, leaf and file."""
 
 import json
 import os
@@ -292,3 +293,21 @@ def test_every_listed_step_restores_after_kills_at_random_moments(tmp_path):
       for step in ckpt.all_steps():
         restored = ckpt.restore(step, params_target=target[0], opt_state_target=target[1])
         assert_equal((restored.params, restored.opt_state), saved_at(step, params, target[1]))
+
+
+def test_the_inventory_finds_missing_resized_and_changed_files(tmp_path):
+  (tmp_path / "params" / "d").mkdir(parents=True)
+  (tmp_path / "params" / "_METADATA").write_text('{"tree": 1}')
+  (tmp_path / "params" / "d" / "chunk").write_bytes(b"\0" * 64)
+  _files.write_inventory(str(tmp_path))
+  assert _files.problems(str(tmp_path), contents=True) == []
+  (tmp_path / "params" / "_METADATA").write_text('{"tree": 2}')  # same size
+  (tmp_path / "params" / "d" / "chunk").write_bytes(b"\0" * 32)
+  assert _files.problems(str(tmp_path)) == [f"{tmp_path}/params/d/chunk: 32 bytes, 64 when saved"]
+  assert _files.problems(str(tmp_path), contents=True)[0] == (
+      f"{tmp_path}/params/_METADATA: its bytes differ from those saved (CRC-32 mismatch)")
+  (tmp_path / "params" / "d" / "chunk").unlink()
+  assert _files.problems(str(tmp_path), only="params/d") == [
+      f"{tmp_path}/params/d/chunk: missing"]
+  (tmp_path / _files.INVENTORY).unlink()
+  assert "no readable file inventory" in _files.problems(str(tmp_path))[0]

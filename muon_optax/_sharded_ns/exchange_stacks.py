@@ -1,0 +1,79 @@
+"""The stacks one exchange moves, as every part of it reads them: their shapes and dtypes,
+how they lie on the factor mesh and how their results are wanted, and the choices that
+depend on which device runs the code (`switch`, `variants`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from muon_optax._sharded_ns.factor_mesh import FactorMesh, linear_index
+from muon_optax._sharded_ns.rounds import Round
+from muon_optax._sharded_ns.stack_shards import StackShards
+
+
+class ExchangeStacks(NamedTuple):
+  """The stacks (count, rows, cols) an exchange moves over `fmesh`: stack i lies as
+  `ins[i]` says, and its results are wanted as `outs[i]` says, or on every device
+  (`gather`: then `outs` are replicated layouts). Stacks that lie alike, in and out,
+  share a `kind` (its number, by stack)."""
+
+  fmesh: FactorMesh
+  shapes: list[tuple[int, int, int]]
+  dtypes: list[Any]
+  ins: list[StackShards]
+  outs: list[StackShards]
+  gather: bool
+  kind: list[int]
+
+  @classmethod
+  def of(cls, fmesh: FactorMesh, shapes, dtypes, ins: list[StackShards], outs: list[StackShards],
+         gather: bool) -> ExchangeStacks:
+    kinds = {}
+    kind = [kinds.setdefault(pair, len(kinds)) for pair in zip(ins, outs)]
+    return cls(fmesh, shapes, dtypes, ins, outs, gather, kind)
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return tuple(self.fmesh.mesh.axis_names)
+
+  @property
+  def devices(self) -> int:
+    return self.fmesh.mesh.size
+
+  @property
+  def sizes(self) -> dict:
+    return dict(self.fmesh.mesh.shape)
+
+  @property
+  def dtype(self):
+    """The dtype the buffers carry: every stack's, promoted."""
+    return jnp.result_type(*self.dtypes)
+
+  def device_index(self) -> jax.Array:
+    """This device's position, row-major over the mesh axes."""
+    return linear_index(self.axes, self.sizes)
+
+  def switch(self, index_table: list[int], branches: list[Callable], *args):
+    """`branches[index_table[this device]](*args)`, statically when all agree."""
+    if len(set(index_table)) == 1:
+      return branches[index_table[0]](*args)
+    index = jnp.asarray(index_table, jnp.int32)[self.device_index()]
+    return jax.lax.switch(index, branches, *args)
+
+  def variants(self, r: Round) -> tuple[list[int], list[int]]:
+    """One stack of each kind (how it lies in and out) among a round's members, and each
+    device's index into them: stacks that lie alike are assembled and sent back alike,
+    so that a round of one kind needs no switch over its devices, however many leaves
+    it holds. A device with no matrix in the round takes the first member's: its
+    result is never read, any works."""
+    first = {}
+    for item in r.slots:
+      if item is not None:
+        first.setdefault(self.kind[item[0]], item[0])
+    order = list(first)
+    return ([first[k] for k in order],
+            [order.index(self.kind[item[0]]) if item is not None else 0 for item in r.slots])

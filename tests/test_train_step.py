@@ -1,0 +1,68 @@
+"""The whole training step of `benchmarks.train_step` (the Llama-style decoder of
+`workload.llama`, forward, backward, clip, update, apply in one jit) at its smallest: on 8
+simulated devices under FSDP it computes what one device computes, and Muon's compiled
+step has AdamW's collectives plus its exchange's, nothing added to forward or backward."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import train_step
+from benchmarks.train_step import collectives, init_params, make_mesh, run_steps
+
+BATCH, SEQ = 8, 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return dataclasses.replace(train_step.model_config("tiny"), dtype="float32")
+
+
+def test_fsdp_step_equals_one_device_to_float32_rounding(tiny):
+  """Both float32 runs are measured against the same steps in float64 on one device:
+  the sharded run may err by at most a few times what one device's float32 errs."""
+  params = init_params(tiny, BATCH, SEQ)
+  data = np.asarray(jax.random.randint(jax.random.key(1), (2, BATCH, SEQ + 1), 0, tiny.vocab))
+  mesh = make_mesh(jax.devices(), "fsdp", tiny)
+  sharded = run_steps(tiny, "fsdp", mesh, "muon", params, data)
+  alone = run_steps(tiny, None, None, "muon", params, data)
+  with jax.enable_x64(True):
+    wide = dataclasses.replace(tiny, dtype="float64")
+    exact = run_steps(wide, None, None, "muon", jax.tree.map(lambda x: np.float64(x), params),
+                      data)
+  error = lambda tree: max(float(np.max(np.abs(np.float64(a) - b)))
+                           for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(exact)))
+  moved = max(float(np.max(np.abs(a - b)))
+              for a, b in zip(jax.tree.leaves(exact), jax.tree.leaves(params)))
+  assert error(alone) < 1e-3 * moved  # the reference is float32's: its error is rounding
+  assert error(sharded) <= 4 * error(alone)
+
+
+def _update_alone(s: train_step.Setup) -> str:
+  """The step's `tx.update` compiled alone, fed gradients in the params' layout: the
+  exchange's collectives, with the clip's (and AdamW's own, for "optax.adamw")."""
+  update = jax.jit(s.tx.update, out_shardings=s.shardings)
+  with jax.set_mesh(s.mesh):
+    return update.lower(s.params, s.state, s.params).compile().as_text()
+
+
+def test_muon_step_adds_only_its_exchange(tiny):
+  cfg = dataclasses.replace(tiny, dtype="bfloat16")
+  mesh = make_mesh(jax.devices(), "fsdp", cfg)
+  setups = {arm: train_step.setup(cfg, "fsdp", mesh, arm, BATCH, SEQ)
+            for arm in ("optax.adamw", "muon")}
+  step = {arm: collectives(train_step.lower(s).compile().as_text()) for arm, s in setups.items()}
+  alone = {arm: collectives(_update_alone(s))["step"] for arm, s in setups.items()}
+  outside = lambda c: {k: n - c["optimizer"].get(k, (0, 0))[0] for k, (n, _) in c["step"].items()}
+  # Forward and backward: the same collectives in both steps.
+  assert outside(step["muon"]) == outside(step["optax.adamw"])
+  # The optimizer: AdamW's, and Muon's exchange on top (what its update compiled alone
+  # has beyond AdamW's update compiled alone).
+  kinds = set(alone["muon"]) | set(alone["optax.adamw"]) | set(step["muon"]["optimizer"])
+  count = lambda c, k: c.get(k, (0, 0))[0]
+  exchange = {k: count(alone["muon"], k) - count(alone["optax.adamw"], k) for k in kinds}
+  assert exchange.get("all-to-all", 0) > 0
+  assert {k: count(step["muon"]["optimizer"], k) for k in kinds} == {
+      k: count(step["optax.adamw"]["optimizer"], k) + exchange[k] for k in kinds}
