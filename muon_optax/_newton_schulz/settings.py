@@ -151,8 +151,10 @@ class NewtonSchulz:
     fp8_steps: how many of the first steps read their operands as float8 (e4m3), each
       matrix scaled by a power of two so that its largest entry is 128 to 256 (a Python
       int, 0 by default; fewer than the steps). They run the standard iteration: Gram
-      space cannot hold its state in 8 bits. An option, not a default: see
-      benchmarks/results/newton_schulz_precision.txt for what it costs in accuracy.
+      space cannot hold its state in 8 bits. An option, not a default, for gentle
+      schedules ("jordan"): a steep first step ("turbo") cancels large terms that 8 bits
+      cannot hold, and diverges on some inputs
+      (benchmarks/results/newton_schulz_precision.txt).
     fn: any function from a (count, m, n) stack of wide matrices (m ≤ n) to an array of
       the same shape (a Pallas kernel, another polynomial); it replaces the built-in
       iteration, so the other settings must keep their defaults.
