@@ -144,7 +144,7 @@ def test_float8_steps_are_checked_when_built(settings, match):
     mo.NewtonSchulz(**settings)
 
 
-def test_auto_operands_are_float16_on_gpu_bfloat16_on_tpu():
-  assert NS().on("gpu").compute_dtype == jnp.float16
+def test_auto_operands_per_platform():
+  assert NS().on("gpu").compute_dtype == jnp.bfloat16
   assert NS().on("tpu").compute_dtype == jnp.bfloat16
   assert NS().on("cpu").compute_dtype == jnp.float32
