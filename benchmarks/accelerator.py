@@ -2,8 +2,9 @@
 time against optax.contrib.muon.
 
 1. Newton–Schulz table. For each shape and arm (muon_optax's turbo and jordan presets,
-   standard and Gram-space, float32 and bfloat16 operands; optax.contrib.muon's jordan
-   iteration, 5 steps), on a Gaussian input:
+   standard and Gram-space, float32, bfloat16 and float16 operands (float16: the GPU
+   candidate default); optax.contrib.muon's jordan iteration, 5 steps), on a Gaussian
+   input:
    - min and median ms of N jitted calls, each waited on, the arms taking turns call by
      call (`common.time_interleaved`);
    - TFLOP/s: matmul flops (`newton_schulz_flops`) / min time;
@@ -59,6 +60,11 @@ FULL_SHAPES = "768x768,768x2304,768x3072,3072x768,12x768x768"
 QUICK_SHAPES = "192x192,192x576,192x768,768x192,12x192x192"
 
 
+# bfloat16: the GPU and TPU default operands ("auto"), float32 the CPU's; float16 the GPU
+# candidate (it lets Gram space run: benchmarks/results/newton_schulz_precision.txt).
+OPERAND_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="quarter-size shapes, 2 layers")
@@ -79,7 +85,7 @@ def matmul_peaks(n: int, reps: int) -> dict[str, float]:
   mm = jax.jit(lambda a: jnp.matmul(a, a, precision=precision,
                                     preferred_element_type=jnp.float32))
   operands = {dtype: jax.random.normal(jax.random.key(1), (n, n)).astype(dtype)
-              for dtype in ("float32", "bfloat16")}
+              for dtype in OPERAND_DTYPES}
   times = time_interleaved({dtype: (lambda a=a: mm(a)) for dtype, a in operands.items()},
                            max(reps, 3))
   return {dtype: 2 * n**3 / min(t) for dtype, t in times.items()}
@@ -92,7 +98,7 @@ def ns_arms(shape) -> dict[str, tuple]:
   out = {}
   for preset in ("turbo", "jordan"):
     for gram in (False, True):
-      for dtype in ("float32", "bfloat16"):
+      for dtype in OPERAND_DTYPES:
         ns = mo.NewtonSchulz(preset, gram=gram, compute_dtype=dtype)
         out[f"muon_optax {preset} {'gram' if gram else 'standard'} {dtype}"] = (
             jax.jit(lambda x, ns=ns: mo.newton_schulz(x, ns)),

@@ -24,8 +24,10 @@ kernel gradients.
 
     python -m benchmarks.optimizer_step [--layers 2 12] [--warmup 1] [--steps 5]
     python -m benchmarks.optimizer_step --layers 1 --d 32 --vocab 64 --ctx 8 --steps 2
+    python -m benchmarks.optimizer_step --layers 2 12 --steps 9 --arms "muon_optax.muon (defaults)"
 
-The second line is the smallest run (a 32-wide tree): it checks that every arm runs.
+The second line is the smallest run (a 32-wide tree): it checks that every arm runs. The
+third times the chosen arms alone against optax.contrib.muon.
 """
 
 from __future__ import annotations
@@ -70,7 +72,14 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--ctx", type=int, default=CTX)
   ap.add_argument("--warmup", type=int, default=1, help="untimed steps per arm")
   ap.add_argument("--steps", type=int, default=5, help="timed steps per arm (N)")
+  ap.add_argument("--arms", nargs="+", default=None,
+                  help=f"these arms only (always with {REFERENCE}); default: all")
   return ap
+
+
+def arms_of(args, params) -> dict:
+  names = None if args.arms is None else list(dict.fromkeys([*args.arms, REFERENCE]))
+  return optimizer_arms(params, names=names)
 
 
 def kernel_state_bytes(args, layers: int) -> dict[str, float]:
@@ -79,13 +88,13 @@ def kernel_state_bytes(args, layers: int) -> dict[str, float]:
   tree = gpt2_tree(layers, d=args.d, vocab=args.vocab, ctx=0, small_leaves=False)
   del tree["wte"]
   return {name: tree_bytes(jax.eval_shape(tx.init, tree)) / num_params(tree)
-          for name, tx in optimizer_arms(tree).items()}
+          for name, tx in arms_of(args, tree).items()}
 
 
-def compiled_gflops(params, grads) -> dict[str, str]:
+def compiled_gflops(args, params, grads) -> dict[str, str]:
   """Each arm's update, compiled: XLA's flop count (deterministic, whatever the load)."""
   out = {}
-  for name, tx in optimizer_arms(params).items():
+  for name, tx in arms_of(args, params).items():
     state = jax.eval_shape(tx.init, params)
     cost = jax.jit(tx.update).lower(grads, state, params).compile().cost_analysis()
     out[name] = f"{(cost[0] if isinstance(cost, list) else cost)['flops'] / 1e9:.1f}"
@@ -103,10 +112,10 @@ def run(args, layers: int) -> dict[str, list[float]]:
         f"defaults, {flops(JORDAN5_STANDARD) / 1e9:.3g} for jordan's standard 5 steps; "
         f"{args.warmup} warm-up + {args.steps} timed steps per arm, interleaved")
   with LoadWatch() as load:
-    times, states = time_steps(optimizer_arms(params), params, grads, args.warmup, args.steps)
+    times, states = time_steps(arms_of(args, params), params, grads, args.warmup, args.steps)
   print(load.note() + "\n")
   print(ratio_table(times, REFERENCE, extra={
-      "update GFLOP (compiled)": compiled_gflops(params, grads),
+      "update GFLOP (compiled)": compiled_gflops(args, params, grads),
       "state B/param (all)": {k: f"{tree_bytes(s) / num_params(params):.2f}"
                               for k, s in states.items()},
       "state B/param (Muon kernels)": {k: f"{b:.2f}"

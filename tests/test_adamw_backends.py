@@ -198,5 +198,9 @@ def test_aux_adam_from_adamw_is_optax_adamw(kwargs):
 def test_aux_adam_from_adamw_refuses_what_it_cannot_do():
   with pytest.raises(ValueError, match=r"eps_root.*adam=optax.adamw\(\.\.\., eps_root=1e-08\)"):
     mo.AuxAdam.from_adamw(1e-3, eps_root=1e-8)
+  with pytest.raises(ValueError, match=r"\['beta1'\] are not optax.adamw arguments"):
+    mo.AuxAdam.from_adamw(1e-3, beta1=0.9)
   with pytest.raises(ValueError, match="AuxAdam b2"):
     mo.AuxAdam.from_adamw(1e-3, b2=1.0)
+  assert mo.AuxAdam.from_adamw(1e-3, eps_root=0.0, backend="reference") == mo.AuxAdam(
+      1e-3, weight_decay=1e-4, backend="reference")

@@ -8,6 +8,7 @@ import pytest
 from _helpers import compiled_flops
 
 import muon_optax as mo
+from muon_optax._newton_schulz.symmetric import symmetric_flops
 from muon_optax._newton_schulz.variant import (
   GRAM_MIN_ASPECT,
   gram_flops,
@@ -26,14 +27,16 @@ def test_auto_dtype_and_precision_follow_the_platform():
   cpu = newton_schulz_plan((768, 3072), backend="cpu")
   assert (cpu.variant, cpu.steps, cpu.precondition) == ("gram", 4, "aol")
   assert (cpu.compute_dtype, cpu.precision) == ("float32", "HIGHEST")
-  # float16 (GPU) runs Gram space, restarted every 2 steps; bfloat16 (TPU) the standard
-  # iteration (see use_gram).
-  gpu, tpu = (newton_schulz_plan((768, 3072), backend=b) for b in ("gpu", "tpu"))
-  assert (gpu.variant, gpu.compute_dtype, gpu.precision) == ("gram", "float16", "DEFAULT")
-  assert gpu.segments == ((0, 2), (2, 4))
-  assert (tpu.variant, tpu.compute_dtype, tpu.precision) == ("standard", "bfloat16", "DEFAULT")
-  assert tpu.flops == newton_schulz_flops(768, 3072, NS(gram=False), backend="cpu")
-  assert gpu.flops < 0.8 * tpu.flops
+  for backend in ("gpu", "tpu"):
+    plan = newton_schulz_plan((768, 3072), backend=backend)
+    # bfloat16 operands keep the standard iteration (see use_gram).
+    assert (plan.variant, plan.compute_dtype, plan.precision) == (
+        "standard", "bfloat16", "DEFAULT")
+    assert plan.flops == newton_schulz_flops(768, 3072, NS(gram=False), backend="cpu")
+  # float16 operands run Gram space, restarted every 2 steps.
+  half = newton_schulz_plan((768, 3072), NS(compute_dtype="float16"), backend="gpu")
+  assert (half.variant, half.segments) == ("gram", ((0, 2), (2, 4)))
+  assert half.flops < 0.8 * plan.flops
   explicit = newton_schulz_plan((3072, 768), NS("jordan", compute_dtype="float32",
                                                 precision="highest"), backend="gpu")
   assert (explicit.variant, explicit.steps, explicit.precondition) == ("gram", 5, "frobenius")
@@ -67,11 +70,20 @@ def test_compiled_flops_square_stays_standard():
 
 def test_flop_formulas_and_automatic_rule():
   m, n = 768, 3072
-  # 5 steps, one restart before step 2: 8 m²n + 28 m³, against 20 m²n + 10 m³.
+  # 5 steps, one restart before step 2: with whole products 8 m²n + 28 m³, against
+  # 20 m²n + 10 m³. At m = 768 a symmetric product (X Xᵀ, and every m×m one) is
+  # computed in 3 block rows: 2/3 of its whole flops.
+  assert symmetric_flops(m, n) * 3 == 2 * m * m * n * 2
   jordan = NS("jordan", gram=True)
-  assert gram_flops(m, n, segments(5)) == 8 * m * m * n + 28 * m**3
-  assert newton_schulz_flops(m, n, jordan, backend="cpu") == 8 * m * m * n + 28 * m**3
-  assert newton_schulz_flops(m, n, NS("jordan", gram=False)) == 20 * m * m * n + 10 * m**3
+  gram = (4 * m * m * n + 28 * m**3) * 2 // 3 + 4 * m * m * n
+  assert gram_flops(m, n, segments(5)) == gram
+  assert newton_schulz_flops(m, n, jordan, backend="cpu") == gram
+  standard = (10 * m * m * n + 10 * m**3) * 2 // 3 + 10 * m * m * n
+  assert newton_schulz_flops(m, n, NS("jordan", gram=False)) == standard
+  # Every product whole, as a mesh splitting the m×m products' rows runs them.
+  whole = lambda ns: mo.newton_schulz_plan((m, n), ns, backend="cpu", symmetric=False).flops
+  assert whole(jordan) == 8 * m * m * n + 28 * m**3
+  assert whole(NS("jordan", gram=False)) == 20 * m * m * n + 10 * m**3
   assert newton_schulz_flops(n, m, NS("jordan"), backend="cpu") == gram_flops(m, n, segments(5))
   for steps in (1, 2, 3, 5, 8):
     for ratio in (1, 1.5, 2, 3, 4, 8):

@@ -6,7 +6,7 @@ import pytest
 from sharded_case import FLOPS_ALONE
 
 import muon_optax as mo
-from muon_optax._newton_schulz.variant import newton_schulz_flops
+from muon_optax._newton_schulz.variant import newton_schulz_flops, newton_schulz_plan
 from muon_optax._sharded_ns.rounds import SPLIT_TOLERANCE, Round, per_device_flops, placed, plan_rounds
 from muon_optax._sharded_ns.split_cost import memory_budget, split_collectives, working_set
 
@@ -26,7 +26,9 @@ def covers_every_matrix_once(shapes, rounds):
 
 
 def ideal(shapes, devices):
-  return sum(c * newton_schulz_flops(m, n, NS) for c, m, n in shapes) / devices
+  """Every device's equal share, counted as the plan weighs matrices: whole products."""
+  return sum(c * newton_schulz_plan((m, n), NS, symmetric=False).flops
+             for c, m, n in shapes) / devices
 
 
 def test_shapes_never_share_a_round_and_every_matrix_runs_once():

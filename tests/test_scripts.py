@@ -52,8 +52,14 @@ def smallest(module: str, tmp: pathlib.Path) -> Optional[list[str]]:
                                    "--vocab", "64", "--seq-len", "16", "--repeats", "1"],
       "benchmarks.newton_schulz": ["--shapes", "2x16x48", "--reps", "2", "--peak-n", "64"],
       "benchmarks.newton_schulz_criterion": ["--shapes", "16x48"],
+      "benchmarks.newton_schulz_symmetric": ["--shapes", "16x48", "--blocks", "2", "--reps",
+                                             "2", "--flops-only", "32x96"],
       "benchmarks.newton_schulz_gram": ["--shapes", "16x48", "--dtypes", "float32", "--m",
                                         "16", "--aspects", "3", "--reps", "2"],
+      "benchmarks.newton_schulz_precision": ["--count", "3", "--shapes", "16x48", "--presets",
+                                             "turbo,cubic5", "--classes", "gaussian,heavy",
+                                             "--llama", "16x48", "--reps", "2", "--out",
+                                             str(tmp / "p.jsonl")],
       "benchmarks.optimizer_step": ["--layers", "1", "--d", "32", "--vocab", "64", "--ctx",
                                     "8", "--steps", "2"],
       "examples.qk_clip": ["--steps", "2", "--batch", "2", "--seq-len", "16", "--d-model",
@@ -128,7 +134,7 @@ def test_accelerator_runs_the_table_and_the_full_update(tmp_path, capsys):
   out = capsys.readouterr().out
   check_report(out, "benchmarks.accelerator", argv)
   assert_timed(out)
-  assert out.count("| 2×16×48 | ") == 9  # 8 muon_optax arms and optax.contrib's
+  assert out.count("| 2×16×48 | ") == 13  # 12 muon_optax arms and optax.contrib's
   assert "| muon_optax.adamuon | " in out and "| optax.contrib.muon | " in out
 
 
@@ -140,6 +146,26 @@ def test_newton_schulz_times_every_arm(tmp_path, capsys):
   check_report(out, "benchmarks.newton_schulz", argv)
   assert_timed(out)
   assert out.count("| 2×16×48 | ") == 12 + 2 + 1  # ours, optax's, the peak
+
+
+def test_optimizer_step_times_chosen_arms_against_the_reference(tmp_path, capsys):
+  argv = smallest("benchmarks.optimizer_step", tmp_path) + ["--arms", "muon_optax.muon (defaults)"]
+  from benchmarks import optimizer_step
+  [times] = optimizer_step.main(argv).values()
+  assert list(times) == ["muon_optax.muon (defaults)", "optax.contrib.muon"]
+  assert_timed(capsys.readouterr().out)
+
+
+def test_newton_schulz_symmetric_times_and_counts_every_arm(tmp_path, capsys):
+  argv = smallest("benchmarks.newton_schulz_symmetric", tmp_path)
+  from benchmarks import newton_schulz_symmetric
+  newton_schulz_symmetric.main(argv)
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.newton_schulz_symmetric", argv)
+  assert_timed(out)
+  # X Xᵀ whole and in 2 block rows, 2 loads, 4 Newton–Schulz arms; then flops alone.
+  assert out.count("| 16×48 | ") == 2 + 2 + 4
+  assert out.count("| 32×96 | cpu | ") == 2 + 4
 
 
 def test_newton_schulz_criterion_compares_every_arm(tmp_path, capsys):
@@ -168,6 +194,25 @@ def test_newton_schulz_gram_forces_restarts_and_times_the_crossover(tmp_path, ca
   assert f64_err["gram ()"] != f64_err["gram (2,)"]
   assert f64_err["gram (auto) (2,)"] == f64_err["gram (2,)"]
   assert "| 16×48 | 3 |" in out
+
+
+def test_newton_schulz_precision_fills_every_cell_and_resumes(tmp_path, capsys):
+  argv = smallest("benchmarks.newton_schulz_precision", tmp_path)
+  from benchmarks import newton_schulz_precision as bench
+  for mode in ("accuracy", "flops", "time"):
+    bench.main([*argv, "--mode", mode])
+  out = capsys.readouterr().out
+  check_report(out, "benchmarks.newton_schulz_precision", [*argv, "--mode", "accuracy"])
+  assert_timed(out)
+  rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+  # 2 presets × (3 precisions × 2 variants + fp8's standard) = 14 cells, per class,
+  # per mode.
+  kinds = [r["key"].split()[0] for r in rows]
+  assert kinds.count("accuracy") == 2 * 14 and kinds.count("flops") == kinds.count("time") == 14
+  assert all(r["err_max"] >= r["err_mean"] > 0 for r in rows if "err_mean" in r)
+  # Resumable: a second run adds nothing.
+  bench.main([*argv, "--mode", "accuracy"])
+  assert len((tmp_path / "p.jsonl").read_text().splitlines()) == len(rows)
 
 
 def test_adam_backends_times_every_backend(tmp_path, capsys):

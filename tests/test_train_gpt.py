@@ -259,3 +259,11 @@ def test_default_rates_are_the_sweeps_best():
   found = {**_best_rates(results / "convergence.txt"), **_best_rates(results / "frontier.txt")}
   assert sorted(found) == sorted(OPTIMIZERS)
   assert {name: BEST_LR[name] for name in OPTIMIZERS} == found
+
+
+def test_run_json_records_the_decay_that_acted(tmp_path):
+  result = train_gpt.main(TINY + ["--optimizer", "muon-wd", "--steps", "2", "--eval-every", "2",
+                                  "--out-dir", str(tmp_path)])
+  assert result["runs"][0]["config"]["weight_decay"] == 0.1
+  saved = json.loads((tmp_path / "run.json").read_text())
+  assert saved["runs"][0]["config"]["weight_decay"] == 0.1

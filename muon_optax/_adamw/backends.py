@@ -18,6 +18,7 @@ one restores under another.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
@@ -145,25 +146,36 @@ class AuxAdam:
     check_backend(self.backend)
 
   @classmethod
-  def from_adamw(cls, learning_rate: ScalarOrSchedule, b1: ArrayLike = 0.9,
-                 b2: ArrayLike = 0.999, eps: ArrayLike = 1e-8, eps_root: ArrayLike = 0.0,
-                 mu_dtype: Optional[Any] = None, weight_decay: ScalarOrSchedule = 1e-4,
-                 mask: Mask = None, *, nesterov: bool = False, backend: str = "optax") -> AuxAdam:
-    """The `AuxAdam` of `optax.adamw(...)` called with the same arguments: optax.adamw's
-    names and defaults (a learning rate to give; weight decay 1e-4 where `AuxAdam`'s is
-    0), so that an AdamW configuration carries over in one line, and updates the leaves
-    it reaches as `optax.adamw` does. `backend` is AuxAdam's own.
+  def from_adamw(cls, learning_rate: ScalarOrSchedule, *, backend: str = "optax",
+                 **adamw_kwargs: Any) -> AuxAdam:
+    """The `AuxAdam` of `optax.adamw(learning_rate, **adamw_kwargs)`: optax.adamw's own
+    argument names and defaults (read from its signature: weight decay 1e-4 where
+    `AuxAdam`'s is 0), so that an AdamW configuration carries over in one line and
+    updates the leaves it reaches as `optax.adamw` does. `backend` is AuxAdam's own.
+
+    Raises:
+      ValueError: a name optax.adamw does not take, or one AuxAdam cannot honour
+        (`eps_root` other than 0): pass `adam=optax.adamw(...)` itself for that.
 
     Examples:
       >>> import muon_optax as mo
       >>> adamw_kwargs = dict(learning_rate=3e-3, b1=0.9, b2=0.95, weight_decay=0.1)
       >>> tx = mo.muon(0.02, adam=mo.AuxAdam.from_adamw(**adamw_kwargs))
     """
-    if not (isinstance(eps_root, (int, float)) and eps_root == 0):
-      raise ValueError(f"AuxAdam has no eps_root (it is 0); to keep eps_root={eps_root!r}, pass "
-                       f"the transform itself: adam=optax.adamw(..., eps_root={eps_root!r}).")
-    return cls(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask,
-               nesterov=nesterov, mu_dtype=mu_dtype, backend=backend)
+    known = inspect.signature(optax.adamw).parameters
+    unknown = sorted(set(adamw_kwargs) - set(known))
+    if unknown:
+      raise ValueError(f"{unknown} are not optax.adamw arguments; it takes {list(known)}.")
+    settings = {name: p.default for name, p in known.items() if p.default is not p.empty}
+    settings.update(adamw_kwargs)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for name in sorted(set(settings) - fields):  # optax.adamw's, not AuxAdam's: at default
+      value, default = settings.pop(name), known[name].default
+      if not (isinstance(value, (int, float)) and value == default):
+        raise ValueError(f"AuxAdam has no {name} (it is {default!r}); to keep "
+                         f"{name}={value!r}, pass the transform itself: "
+                         f"adam=optax.adamw(..., {name}={value!r}).")
+    return cls(learning_rate, backend=backend, **settings)
 
   def transform(self) -> optax.GradientTransformation:
     """AdamW with these settings; its state is the backend's NamedTuple. The mask is

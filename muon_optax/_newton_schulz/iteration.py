@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
+from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
 from muon_optax._newton_schulz.variant import newton_schulz_plan
 
 
@@ -124,7 +125,7 @@ class RowBlocks(NamedTuple):
       return self.gram(x, mm, peak)
     if peak is not None:
       raise ValueError("whole rows take X already divided by its peak, not the peak")
-    return self.sum_rows(mm(x, _t(x)))
+    return self.sum_rows(symmetric_gram(x, mm))
 
   def product(self, a, b, mm: Matmul):
     """This part's rows of A B, from this part's rows of A and of B."""
@@ -137,8 +138,10 @@ def _identity(x):
 
 def whole_rows(reduce: Reduce = _whole) -> RowBlocks:
   """Every part holds all rows: the m×m work is repeated on each part, and a Gram sum
-  is `reduce` over the parts."""
-  return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t)
+  is `reduce` over the parts. Every m×m product of the iteration is of two commuting
+  symmetric matrices, so it is computed as a symmetric one (`symmetric_product`)."""
+  return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t,
+                   times=symmetric_product)
 
 
 def _aol(x: jax.Array, r: jax.Array, peak: Optional[jax.Array],
@@ -268,7 +271,7 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
 
   Args:
     x: array of shape (..., m, n); leading axes are a batch.
-    ns: a `NewtonSchulz`, or a preset name ("turbo", "jordan", "polar_express").
+    ns: a `NewtonSchulz`, or a preset name (see `PRESETS`).
 
   Returns:
     Array of x's shape and dtype. Scale-invariant (NS(k·G) = NS(G)); NS(0) = 0.

@@ -3,7 +3,7 @@ Gram-space one restarts, the flops, and `newton_schulz_plan`, which says it all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._newton_schulz.symmetric import symmetric_flops
 
 # Gram-space iteration: the m×m state is rebuilt from X before some steps (0-based).
 # Nothing in Gram space corrects rounding, where the standard iteration, contracting
@@ -81,20 +82,38 @@ def use_gram(m: int, n: int, steps: int, gram: Optional[bool], compute_dtype: An
           and jnp.finfo(compute_dtype).nmant >= GRAM_MIN_MANTISSA)
 
 
+def whole_product_flops(m: int, k: int) -> int:
+  """Matmul flops of an m×m product with inner dimension k, computed whole."""
+  return 2 * m * m * k
+
+
 def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]],
-               quintic: Optional[Sequence[bool]] = None) -> int:
+               quintic: Optional[Sequence[bool]] = None,
+               product: Callable[[int, int], int] = symmetric_flops) -> int:
   """Matmul flops of the Gram-space iteration on one m×n matrix, in these segments.
 
-  With m ≤ n: R = X Xᵀ and the final Q X cost 2m²n each, and so does each restart's
-  X ← Q X, R ← X Xᵀ. Inside a segment of k steps each quintic step squares R (2m³;
-  a cubic one, c = 0, does not: `quintic`, per step, default all), all but the first
-  update Q ← a Q + Z Q (2m³) and all but the last update R ← P (P R) (4m³).
+  With m ≤ n: R = X Xᵀ (symmetric: `symmetric_flops`) and the final Q X (2m²n), and so
+  do each restart's R ← X Xᵀ and X ← Q X. Inside a segment of k steps, each quintic
+  step squares R (a cubic one, c = 0, does not: `quintic`, per step, default all), all
+  but the first update Q ← P Q and all but the last update R ← P (P R): products of
+  commuting symmetric m×m matrices, each symmetric. `product(m, k)` counts a symmetric
+  product (`whole_product_flops` where they are computed whole).
   """
   m, n = min(m, n), max(m, n)
   steps = max((stop for _, stop in parts), default=0)
   squares = steps if quintic is None else sum(map(bool, quintic[:steps]))
-  return (4 * m * m * n * len(parts) + 2 * squares * m**3
-          + sum(6 * (stop - start - 1) * m**3 for start, stop in parts))
+  return ((product(m, n) + 2 * m * m * n) * len(parts)
+          + (squares + sum(3 * (stop - start - 1) for start, stop in parts)) * product(m, m))
+
+
+def standard_flops(m: int, n: int, steps: int, quintic: Optional[Sequence[bool]] = None,
+                   product: Callable[[int, int], int] = symmetric_flops) -> int:
+  """Matmul flops of the standard iteration on one m×n matrix: per step, the symmetric
+  A = X Xᵀ (`product`, as in `gram_flops`) and the m×n (a I + …) X (2m²n); per quintic
+  step (`quintic`, default all), the symmetric b A + c A²."""
+  m, n = min(m, n), max(m, n)
+  squares = steps if quintic is None else sum(map(bool, quintic[:steps]))
+  return (product(m, n) + 2 * m * m * n) * steps + squares * product(m, m)
 
 
 def quintic_steps(coeffs: Any) -> Optional[list[bool]]:
@@ -126,14 +145,16 @@ class NSPlan(NamedTuple):
 
 
 def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
-                       backend: Optional[str] = None) -> NSPlan:
+                       backend: Optional[str] = None, symmetric: bool = True) -> NSPlan:
   """The variant, steps, dtype, precision and flops `newton_schulz` uses on `shape`
   (..., m, n) with settings `ns`, on `backend` ("cpu", "gpu", "tpu"; default: jax's,
   which is what `newton_schulz` resolves "auto" against).
 
   Standard iteration: steps · (4m²n + 2m³) flops with m ≤ n (a cubic step, c = 0,
-  skips the 2m³). Gram-space: see `newton_schulz`; its restarts are where rounding would
-  otherwise grow.
+  skips the 2m³), less what symmetric products save (`standard_flops`). Gram-space: see
+  `newton_schulz` and `gram_flops`; its restarts are where rounding would otherwise
+  grow. `symmetric=False` counts every product whole, as a mesh that splits the m×m
+  products by rows computes them.
 
   Examples:
     >>> import muon_optax as mo
@@ -149,14 +170,13 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
   m, n = sorted(shape[-2:])
   steps, dtype, coeffs = ns.num_steps(), ns.dtype(backend), ns.coefficients()
   quintic = quintic_steps(coeffs)
-  squares = steps if quintic is None else sum(quintic)
+  product = symmetric_flops if symmetric else whole_product_flops
   if not ns.fp8_steps and use_gram(m, n, steps, ns.gram, dtype):
     parts = tuple(segments(steps, gram_restarts(slopes_of(coeffs), steps, dtype)))
-    variant, x_flops = "gram", 4 * m * m * n * len(parts)
-    flops = gram_flops(m, n, parts, quintic)
+    variant, flops = "gram", gram_flops(m, n, parts, quintic, product)
   else:
-    variant, parts, x_flops = "standard", (), 4 * m * m * n * steps
-    flops = x_flops + 2 * m**3 * squares
+    variant, parts, flops = "standard", (), standard_flops(m, n, steps, quintic, product)
+  x_flops = (product(m, n) + 2 * m * m * n) * (len(parts) if parts else steps)
   return NSPlan(variant, steps, ns.preconditioner(), dtype.name,
                 ns.matmul_precision(backend).name, flops, parts, x_flops, ns.fp8_steps)
 

@@ -215,7 +215,8 @@ def placed(rounds: list[Round], devices: int) -> list[Round]:
 
 
 def _flops(rows: int, cols: int, ns: NewtonSchulz) -> int:
-  return newton_schulz_plan((rows, cols), ns).flops
+  """A whole matrix's flops as `split_flops` counts them: with whole products."""
+  return newton_schulz_plan((rows, cols), ns, symmetric=False).flops
 
 
 def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,

@@ -24,8 +24,10 @@ def rows_split(rows: int, split: int) -> bool:
 def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   """Per-device flops of `newton_schulz_column_parts` on a rows×cols (rows ≤ cols) matrix
   split over `split` devices: products with X are split by columns; the rows×rows
-  products by rows when `rows_split`, else repeated on each device."""
-  plan = newton_schulz_plan((rows, cols), ns)
+  products by rows when `rows_split`, else repeated on each device. Counted with whole
+  products throughout: a mesh's row blocks compute them so, and whole and split matrices
+  are weighed alike (a whole matrix's symmetric products save it about a quarter)."""
+  plan = newton_schulz_plan((rows, cols), ns, symmetric=False)
   if rows_split(rows, split):
     return plan.flops // split
   return plan.flops - plan.x_flops + plan.x_flops // split

@@ -1,0 +1,79 @@
+"""Products known to be symmetric, computed by their upper block triangle and mirrored.
+
+X Xᵀ is symmetric, and so is every m×m product of the iteration: R, the polynomials in
+R and the Gram-space Q all commute, so each product of two of them is symmetric too.
+XLA computes a whole product. Here the m rows are cut into b blocks, block row i of
+C = A B is computed from its diagonal block on (C[i, i:] = A[i, :] B[:, i:], one product
+per block row), and the blocks left of the diagonal are the transposes of those above
+it: (b + 1) / (2b) of the whole product's flops, as plain JAX products that every
+backend compiles. The blocks off the diagonal mirror each other exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+# Block rows of at least this many rows: narrower strips run well below a whole
+# product's speed on the CPU, so a matrix under twice this size is computed whole
+# (benchmarks/results/newton_schulz_symmetric.txt).
+MIN_BLOCK_ROWS = 256
+# At most this many block rows: (b + 1) / (2b) gains little past it (9/16 at 8, 1/2 in
+# the limit), while each block row is one more product to compile and schedule.
+MAX_BLOCKS = 8
+
+
+def block_count(m: int) -> int:
+  """How many block rows a symmetric m×m product is cut into (1: the whole product)."""
+  return max(1, min(m // MIN_BLOCK_ROWS, MAX_BLOCKS))
+
+
+def _cuts(m: int, blocks: Optional[int]) -> list[int]:
+  """Block row boundaries 0 = c_0 < … < c_b = m, blocks of equal size but the last."""
+  blocks = block_count(m) if blocks is None else blocks
+  if not 1 <= blocks <= m:
+    raise ValueError(f"a symmetric product of {m} rows takes 1 to {m} block rows, got {blocks}")
+  size = -(-m // blocks)
+  return list(range(0, m, size)) + [m]
+
+
+def symmetric_flops(m: int, k: int, blocks: Optional[int] = None) -> int:
+  """Matmul flops of an m×m symmetric product with inner dimension k, as computed here
+  (2m²k when it is computed whole)."""
+  cuts = _cuts(m, blocks)
+  return sum(2 * (stop - start) * k * (m - start) for start, stop in zip(cuts[:-1], cuts[1:]))
+
+
+def symmetric_product(a: jax.Array, b: jax.Array,
+                      matmul: Callable[[jax.Array, jax.Array], jax.Array],
+                      blocks: Optional[int] = None) -> jax.Array:
+  """`matmul(a, b)` for (..., m, k) `a` and (..., k, m) `b` whose product is symmetric
+  (the caller knows: X Xᵀ, or two commuting symmetric matrices), from its upper block
+  triangle in (at most) `blocks` block rows, default `block_count`. Each block row is
+  `matmul` of a's rows and b's columns from the diagonal on; its blocks left of the
+  diagonal are the transposes of those above it (exactly symmetric; the diagonal
+  blocks, computed whole, as symmetric as a whole product's)."""
+  m = a.shape[-2]
+  if b.shape[-1] != m:
+    raise ValueError(f"a symmetric product is square: a has {m} rows, b {b.shape[-1]} columns")
+  cuts = _cuts(m, blocks)
+  if len(cuts) == 2:
+    return matmul(a, b)
+  spans = list(zip(cuts[:-1], cuts[1:]))
+  # strips[i] = C[c_i:c_{i+1}, c_i:], the block row from its diagonal block on.
+  strips = [matmul(a[..., start:stop, :], b[..., :, start:]) for start, stop in spans]
+  rows = []
+  for i, (start, stop) in enumerate(spans):
+    left = [jnp.swapaxes(strips[j][..., :, start - cuts[j]:stop - cuts[j]], -1, -2)
+            for j in range(i)]
+    rows.append(jnp.concatenate([*left, strips[i]], axis=-1))
+  return jnp.concatenate(rows, axis=-2)
+
+
+def symmetric_gram(x: jax.Array, matmul: Callable[[jax.Array, jax.Array], jax.Array],
+                   blocks: Optional[int] = None) -> jax.Array:
+  """X Xᵀ of (..., m, n) `x` by `symmetric_product`."""
+  return symmetric_product(x, jnp.swapaxes(x, -1, -2), matmul, blocks)

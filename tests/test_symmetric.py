@@ -1,0 +1,133 @@
+"""Symmetric products: the upper block triangle, mirrored, against the whole product
+(within float32's own rounding bound), their flops against XLA's count, and the whole
+iteration built on them against the SVD polar factor."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import compiled_flops, float32_bound, polar, rel, singular_values
+
+import muon_optax as mo
+from muon_optax._newton_schulz import symmetric
+from muon_optax._newton_schulz.iteration import Matmul
+from muon_optax._newton_schulz.symmetric import (
+  block_count,
+  symmetric_flops,
+  symmetric_gram,
+  symmetric_product,
+)
+
+MM = Matmul(jnp.float32, jnp.float32, jax.lax.Precision.HIGHEST)
+EPS32 = float(np.finfo(np.float32).eps) / 2  # unit roundoff
+
+
+def rounding_bound(a, b):
+  """|fl(A B) − A B| ≤ γ_k (|A| |B|) entrywise for float32 products with inner dimension
+  k (γ_k = k u / (1 − k u)): two float32 evaluations differ by at most twice that."""
+  a, b = np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64))
+  k = a.shape[-1]
+  return 2 * k * EPS32 / (1 - k * EPS32) * (a @ b)
+
+
+def assert_mirrored(c, blocks):
+  """Blocks off the diagonal mirror each other exactly (one is the other's transpose)."""
+  m = c.shape[-1]
+  size = -(-m // blocks)
+  off = np.arange(m)[:, None] // size != np.arange(m)[None, :] // size
+  c = np.asarray(c)
+  np.testing.assert_array_equal(np.where(off, c, 0), np.where(off, np.swapaxes(c, -1, -2), 0))
+
+
+@pytest.mark.parametrize("shape,blocks", [((12, 40), 2), ((12, 40), 3), ((10, 7), 4),
+                                          ((3, 17, 50), 5), ((9, 30), 9), ((16, 16), 1)])
+def test_gram_equals_the_whole_product(shape, blocks):
+  x = jax.random.normal(jax.random.key(0), shape)
+  got = jax.jit(lambda x: symmetric_gram(x, MM, blocks))(x)
+  whole = MM(x, jnp.swapaxes(x, -1, -2))
+  bound = rounding_bound(x, np.swapaxes(x, -1, -2))
+  assert got.shape == whole.shape and got.dtype == whole.dtype
+  assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(whole, np.float64)) <= bound)
+  assert_mirrored(got, blocks)
+
+
+def test_product_of_commuting_symmetric_matrices():
+  # R = X Xᵀ and polynomials in it, as the iteration multiplies them.
+  x = jax.random.normal(jax.random.key(1), (2, 24, 64)) / 8
+  r = MM(x, jnp.swapaxes(x, -1, -2))
+  r = 0.5 * (r + jnp.swapaxes(r, -1, -2))
+  p = 2.0 * jnp.eye(24) - 1.5 * r + 0.5 * MM(r, r)
+  for a, b in ((r, p), (p, MM(p, r)), (r, r)):
+    got = symmetric_product(a, b, MM, 4)
+    bound = rounding_bound(a, b)
+    assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(MM(a, b), np.float64))
+                  <= bound)
+    assert_mirrored(got, 4)
+
+
+@pytest.mark.parametrize("m,k,blocks", [(12, 40, 3), (10, 7, 3), (30, 30, 2), (30, 30, 1)])
+def test_flops_equal_xlas_count(m, k, blocks):
+  x = jnp.ones((m, k), jnp.float32)
+  assert compiled_flops(lambda x: symmetric_gram(x, MM, blocks), x) == symmetric_flops(
+      m, k, blocks)
+  # b equal blocks: (b + 1) / (2b) of the whole product.
+  if m % blocks == 0:
+    assert symmetric_flops(m, k, blocks) * 2 * blocks == 2 * m * m * k * (blocks + 1)
+
+
+def test_block_count_follows_the_measured_threshold():
+  rows = symmetric.MIN_BLOCK_ROWS
+  assert block_count(2 * rows - 1) == 1  # computed whole below two blocks of rows
+  assert block_count(2 * rows) == 2 and block_count(3 * rows) == 3
+  assert block_count(1000 * rows) == symmetric.MAX_BLOCKS
+
+
+def test_bad_inputs_are_clear_errors():
+  x = jnp.ones((4, 6))
+  with pytest.raises(ValueError, match="square"):
+    symmetric_product(x, x, MM)
+  with pytest.raises(ValueError, match="1 to 4 block rows, got 5"):
+    symmetric_gram(x, MM, 5)
+  with pytest.raises(ValueError, match="got 0"):
+    symmetric_flops(4, 6, 0)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+  """Blocks of 8 rows, so that the small matrices here take the symmetric path."""
+  monkeypatch.setattr(symmetric, "MIN_BLOCK_ROWS", 8)
+
+
+def whole_newton_schulz(x, ns, monkeypatch):
+  with monkeypatch.context() as patch:
+    patch.setattr(symmetric, "MIN_BLOCK_ROWS", 1 << 30)
+    return jax.jit(lambda x: mo.newton_schulz(x, ns))(x)
+
+
+@pytest.mark.parametrize("ns", ["turbo", "jordan", "polar_express"])
+@pytest.mark.parametrize("shape,gram", [((48, 48), None), ((40, 120), None), ((120, 40), True),
+                                        ((2, 32, 64), False)])
+def test_iteration_against_polar_factor(small_blocks, monkeypatch, ns, shape, gram):
+  settings = mo.NewtonSchulz(ns, gram=gram)
+  x = jax.random.normal(jax.random.key(2), shape)
+  got = jax.jit(lambda x: mo.newton_schulz(x, settings))(x)
+  whole = whole_newton_schulz(x, settings, monkeypatch)
+  # Both are float32 evaluations of one polynomial: within its a priori float32 bound.
+  assert np.all(rel(got, whole) < 2 * float32_bound(settings))
+  flat = lambda v: np.reshape(v, (-1, *shape[-2:]))
+  for o, w, g in zip(flat(got), flat(whole), flat(x)):
+    p = polar(g)
+    assert rel(o, p) <= 1.05 * rel(w, p)  # DESIGN.md §7
+    s, s_whole = singular_values(o), singular_values(w)
+    tol = 4 * float32_bound(settings)
+    assert s.min() >= s_whole.min() - tol and s.max() <= s_whole.max() + tol
+
+
+def test_default_sizes_take_the_symmetric_path():
+  # GPT-2 small's width: three block rows; compiled flops as the plan counts them.
+  shape = (768, 1536)
+  x = jnp.ones(shape, jnp.float32)
+  plan = mo.newton_schulz_plan(shape)
+  assert compiled_flops(mo.newton_schulz, x) == pytest.approx(plan.flops, rel=1e-2)
+  m, n = shape
+  assert plan.flops < 0.8 * (8 * m * m * n + 20 * m**3)  # the whole products' count
