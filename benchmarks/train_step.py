@@ -75,7 +75,6 @@ class Layout:
   axes: tuple[str, ...]
   rules: tuple[tuple[str, Any], ...]
   data_axis: Any
-  params: str = "sharded"  # MeshLayout(params=...)
 
   def shape(self, devices: int, tensor: int, experts: int) -> tuple[int, ...]:
     fixed = {"tensor": tensor, "expert": experts, "data": 2 if len(self.axes) == 3 else None}
@@ -87,7 +86,7 @@ _TENSOR = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("voc
            ("act_heads", "tensor"), ("act_mlp", "tensor"), ("act_vocab", "tensor"))
 LAYOUTS = {
     "fsdp": Layout(("fsdp",), (("batch", "fsdp"), ("embed", "fsdp"), ("exp_batch", "fsdp")), "fsdp"),
-    "zero1": Layout(("data",), (("batch", "data"), ("exp_batch", "data")), "data", "replicated"),
+    "zero1": Layout(("data",), (("batch", "data"), ("exp_batch", "data")), "data"),
     "tp": Layout(("data", "tensor"), (("batch", "data"), ("exp_batch", "data")) + _TENSOR, "data"),
     "fsdp_tp": Layout(("fsdp", "tensor"), (("batch", "fsdp"), ("embed", "fsdp"),
                                            ("exp_batch", "fsdp")) + _TENSOR, "fsdp"),
@@ -182,10 +181,11 @@ def setup(cfg, layout: Optional[str], mesh: Any, arm: str, batch: int, seq: int,
   routing = mo.infer_routing(lambda p, x, y: model.apply({"params": p}, x, y), abstract,
                              tokens, tokens)
   rules = LAYOUTS[layout].rules if layout else ()
-  placed = None
-  if mesh is not None:
+  placed = shardings = None
+  if mesh is not None:  # the layout stated as the shardings passed to jit
     spec = LAYOUTS[layout]
-    placed = mo.MeshLayout(mesh, params=spec.params, data_axis=spec.data_axis)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    placed = mo.MeshLayout(mesh, params=shardings, data_axis=spec.data_axis)
   # A float64 reference runs Newton–Schulz in float64 too.
   ns = mo.NewtonSchulz(compute_dtype=cfg.dtype) if cfg.dtype == "float64" else "turbo"
   tx = optimizer(arm, routing, placed, ns)
@@ -203,7 +203,6 @@ def setup(cfg, layout: Optional[str], mesh: Any, arm: str, batch: int, seq: int,
     params = params if params is not None else abstract
     state = jax.eval_shape(tx.init, params) if params is abstract else tx.init(params)
     return Setup(jax.jit(step), params, state, (tokens, tokens), None, tx)
-  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
   batch_sharding = NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", None), rules))
   typed = lambda tree, sh: jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
@@ -331,7 +330,9 @@ def markdown_table(rows: list[dict]) -> str:
     recv = sum(b for _, b in c["step"].values()) / 1e9
     base = adamw.get(_key(r)[:2] + _key(r)[3:])
     tail = "— | — | —"
-    if base is not None and r is not base:
+    if r["platform"] != "tpu":  # the roofline is a v5p chip's
+      tail = "— | — | —"
+    elif base is not None and r is not base:
       e = extra(r, base)
       tail = (f"{e['flops']:.2e}, {e['hbm'] / 1e9:.1f}, {e['recv'] / 1e9:.2f} | "
               f"{1e3 * e['seconds']:.1f} | {e['percent']:.2f}")

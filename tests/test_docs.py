@@ -22,7 +22,7 @@ def test_the_site_builds_in_strict_mode(tmp_path):
                              "PATH": str(pathlib.Path(sys.executable).parent) + ":/usr/bin:/bin"})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   for page in ("routing", "family", "frontier", "details", "meshes", "mesh_results", "mesh_design",
-               "optax", "api"):
+               "optax", "training_loop", "api"):
     assert (tmp_path / "site" / page / "index.html").exists(), page
 
 

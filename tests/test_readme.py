@@ -17,7 +17,8 @@ README = ROOT / "README.md"
 # The README, then the guides in the site's order: their blocks run in one namespace,
 # each page building on the ones before it as a reader does.
 PAGES = [README] + [ROOT / "docs" / name for name in (
-    "routing.md", "family.md", "frontier.md", "details.md", "meshes.md", "optax.md")]
+    "routing.md", "family.md", "frontier.md", "details.md", "meshes.md", "optax.md",
+    "training_loop.md")]
 
 
 def documented_blocks() -> list[str]:
