@@ -17,9 +17,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-# Block rows of at least this many rows: narrower strips run well below a whole
-# product's speed on the CPU, so a matrix under twice this size is computed whole
-# (benchmarks/results/newton_schulz_symmetric.txt).
+# Block rows of at least this many rows, so that each strip stays a large product; a
+# matrix under twice this size is computed whole. Not yet timed on an idle machine: the
+# busy runs in benchmarks/results/newton_schulz_symmetric.txt hint that strips of 96
+# rows (8 blocks of 768) run slower, and cannot rank 2 to 6 blocks.
 MIN_BLOCK_ROWS = 256
 # At most this many block rows: (b + 1) / (2b) gains little past it (9/16 at 8, 1/2 in
 # the limit), while each block row is one more product to compile and schedule.
