@@ -3,7 +3,8 @@ time against optax.contrib.muon.
 
 1. Newton–Schulz table. For each shape and arm (muon_optax's turbo and jordan presets,
    standard and Gram-space, float32, bfloat16 and float16 operands (float16: the GPU
-   default); optax.contrib.muon's jordan iteration, 5 steps), on a Gaussian input:
+   candidate default); optax.contrib.muon's jordan iteration, 5 steps), on a Gaussian
+   input:
    - min and median ms of N jitted calls, each waited on, the arms taking turns call by
      call (`common.time_interleaved`);
    - TFLOP/s: matmul flops (`newton_schulz_flops`) / min time;
@@ -59,7 +60,8 @@ FULL_SHAPES = "768x768,768x2304,768x3072,3072x768,12x768x768"
 QUICK_SHAPES = "192x192,192x576,192x768,768x192,12x192x192"
 
 
-# float16: the GPU default's operands ("auto"), bfloat16 the TPU's, float32 the CPU's.
+# bfloat16: the GPU and TPU default operands ("auto"), float32 the CPU's; float16 the GPU
+# candidate (it lets Gram space run: benchmarks/results/newton_schulz_precision.txt).
 OPERAND_DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -135,8 +135,9 @@ def layout_rows(params, kind: str):
         warnings.simplefilter("always")
         r = measure(tx, placed, mesh, axis)
       kinds = ", ".join(f"{n} {op}" for op, (n, _) in r["detail"].items())
+      guessed = any("MeshLayout(mesh, params=" in str(w.message) for w in caught)
       yield (f"{kind:<8} {types.name:<8} {form:<19} {r['collectives']:>11} "
-             f"{r['flops'] / 1e9:>12.1f} {'yes' if caught else 'no':>6}  {kinds}")
+             f"{r['flops'] / 1e9:>12.1f} {'yes' if guessed else 'no':>6}  {kinds}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -195,6 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           "d×4d, each whole on one device)")
     columns = (f"{'layout':<8} {'mesh':<8} {'mesh= told':<19} {'collectives':>11} "
                f"{'GFLOP/device':>12} {'warned':>6}  by kind")
+    print("'warned': the layout was guessed, and a warning named the fix.")
     print(columns + "\n" + "-" * len(columns))
     for kind in args.layouts:
       for row in layout_rows(params, kind):

@@ -16,7 +16,7 @@ shapes, on this CPU and from the TPU compiler (v5p, offline), and the bfloat16 p
 per flop as the planner prices them. `--mode time`: min and median seconds of N interleaved calls
 on a stack of `--count` matrices, on jax's default backend (a GPU where there is one).
 `--mode convergence`: the workload GPT's final validation loss (2×64, its defaults) with
-mo.muon and the GPU default's Newton–Schulz settings against the ones before, per seed.
+mo.muon and the GPU candidate's Newton–Schulz settings against the default's, per seed.
 Rows are appended to `--out` (JSON lines) and skipped when already there (resumable);
 the table printed is made from the file.
 
@@ -218,10 +218,10 @@ def run_time(args, out: pathlib.Path, done: set[str]) -> None:
                    "min_s": best, "median_s": median, "load": load.note()})
 
 
-# The convergence check of a new platform default against today's, on the workload GPT.
+# The convergence check a new platform default needs against today's, on the workload GPT.
 CONVERGENCE_ARMS = {
-    "bfloat16 standard (the GPU default before)": dict(compute_dtype="bfloat16", gram=False),
-    "float16 Gram (the GPU default)": dict(compute_dtype="float16"),
+    "bfloat16 standard (the GPU default)": dict(compute_dtype="bfloat16", gram=False),
+    "float16 Gram (the GPU candidate)": dict(compute_dtype="float16"),
 }
 
 

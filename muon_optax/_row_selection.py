@@ -215,28 +215,31 @@ def select_rows(
                for b, view in zip(buffers, leaves.views)]
       results = _per_shard(stacks, kinds, select, solver, choice_layout)
     out, new_buffers = [], []
-    for result, g, b, view in zip(results, grads, buffers, leaves.views):
+    for result, g, b, view, path in zip(results, grads, buffers, leaves.views, leaves.paths):
       out.append(view.from_matrices(result, g.shape).astype(g.dtype))
       # The selected neurons are those with a nonzero update: their buffer decays.
       chosen = jnp.any(out[-1] != 0, axis=view.fan_in, keepdims=True)
       new_buffers.append(_as_state(jnp.where(chosen, ef_decay * b, b).astype(b.dtype), b,
-                                   layout))
+                                   path, layout))
     return leaves.put(out), RowSelectionState(leaves.put(new_buffers, buffer))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _as_state(new: jax.Array, old: jax.Array, layout: Optional[MeshLayout]) -> jax.Array:
+def _as_state(new: jax.Array, old: jax.Array, path: str,
+              layout: Optional[MeshLayout]) -> jax.Array:
   """The new buffer laid out as the state leaf `old` it replaces: its type's on an Explicit
-  mesh, else as `state_shardings` lays it out. It is computed from the exchange's results,
-  which come back on the engine's own mesh: a jitted step would otherwise return the state
-  in another layout than it took, and compile again for the next."""
+  mesh, else as `state_shardings` lays it out beside the parameter at `path`. It is
+  computed from the exchange's results, which come back on the engine's own mesh: a
+  jitted step would otherwise return the state in another layout than it took, and
+  compile again for the next."""
   if layout is None:
     return new
   spec = explicit_spec(old)
   if spec is not None:
     return reshard_to(new, spec)
-  spec = data_spec(tuple(old.shape), layout.mesh, layout.data_axis)
+  shape = tuple(old.shape)
+  spec = layout.state_spec(shape, layout.param_spec(path, shape))
   return jax.lax.with_sharding_constraint(new, NamedSharding(layout.mesh, spec))
 
 

@@ -147,7 +147,7 @@ BIG = (4096, 14336, 32)
 def test_a_unit_forms_its_products_whole_where_that_fits_and_launches_fewer_collectives():
   blocked, whole = working_set(*BIG), working_set(*BIG, product_chunks=1)
   assert whole > blocked
-  per = lambda chunks: split_collectives(*BIG, NS, product_product_chunks=chunks)
+  per = lambda chunks: split_collectives(*BIG, NS, product_chunks=chunks)
   assert per(1) < per(PRODUCT_CHUNKS) < 4 * per(1)
   # No cap: every round in one unit, products whole.
   assert unit_size(*BIG, 3, None, NS) == (3, 1)
@@ -186,9 +186,8 @@ def test_exchanges_by_need_one_where_the_buffers_fit_beside_the_largest_unit():
   whole = buffer_elements(ExchangePlan.of(rounds, stacks, stacks, False, DEVICES), False)
   assert whole == 2 * 4 * 64 * 128
   assert need(None) == 1 and need(whole + work) == 1
-  assert need(whole + work - 1) == 2  # each half of the rounds: half the buffers
-  assert need(whole / 2 + work - 1) == EXCHANGES  # a quarter fits: the most
-  assert need(work) == EXCHANGES  # nothing fits: the most
+  assert need(whole + work - 1) == EXCHANGES  # one does not fit: four
+  assert need(work) == EXCHANGES
   # Gathered, every device receives every result: n times the results it owns.
   gathered = buffer_elements(ExchangePlan.of(rounds, stacks, stacks, True, DEVICES), True)
   assert gathered == 4 * 64 * 128 * (1 + DEVICES)

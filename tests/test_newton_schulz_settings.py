@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import muon_optax as mo
+from muon_optax._newton_schulz.settings import CUSTOM_FN_PRICE, Kernel
 
 NS = mo.NewtonSchulz
 
@@ -106,6 +107,30 @@ def test_cubic5_is_five_cubic_steps_into_muons_loose_band():
   assert composed(ns.coefficients(), np.linspace(0, 1, 100_001)).max() > 1.2999
 
 
+def test_a_kernel_carries_one_newton_schulz_whole():
+  # The built-in iteration: whole matrices and column parts with the same settings, and
+  # those settings priced. The parts, summed over two halves, give the whole result.
+  ns = mo.NewtonSchulz("jordan", gram=False)
+  kernel = Kernel.of(ns)
+  x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+  np.testing.assert_array_equal(kernel.whole(x), mo.newton_schulz(x, ns))
+  halves = jnp.stack([x[..., :8], x[..., 8:]])  # one column part per "device"
+  summed = lambda v, op: jnp.sum(v, axis=0, keepdims=True) if op is jnp.add else jnp.max(
+      v, axis=0, keepdims=True)
+  parts = kernel.column_parts(halves, 2, summed)
+  want = mo.newton_schulz(x, ns)
+  bound = 64 * np.finfo(np.float32).eps  # a few products' roundings, float32
+  np.testing.assert_allclose(jnp.concatenate([parts[0], parts[1]], axis=-1), want, atol=bound)
+  assert kernel.priced is ns
+  # A custom function runs whole matrices only, priced as Jordan's standard quintic; a
+  # selection around a kernel keeps its price and splits nothing.
+  custom = Kernel.of(mo.NewtonSchulz(fn=lambda v: v * 2))
+  assert custom.column_parts is None and custom.priced == CUSTOM_FN_PRICE
+  wrapped = kernel.around(lambda whole: lambda v: whole(v) * 3)
+  assert wrapped.column_parts is None and wrapped.priced is ns
+  np.testing.assert_array_equal(wrapped.whole(x), 3 * mo.newton_schulz(x, ns))
+
+
 @pytest.mark.parametrize("settings, match", [
     (dict(fp8_steps=4), r"fp8_steps must be a Python int from 0 to steps - 1 \(3\)"),
     (dict(fp8_steps=-1), "fp8_steps must be"),
@@ -119,7 +144,7 @@ def test_float8_steps_are_checked_when_built(settings, match):
     mo.NewtonSchulz(**settings)
 
 
-def test_auto_operands_are_float16_on_gpu_bfloat16_on_tpu():
-  assert NS().on("gpu").compute_dtype == jnp.float16
+def test_auto_operands_per_platform():
+  assert NS().on("gpu").compute_dtype == jnp.bfloat16
   assert NS().on("tpu").compute_dtype == jnp.bfloat16
   assert NS().on("cpu").compute_dtype == jnp.float32

@@ -27,14 +27,16 @@ def test_auto_dtype_and_precision_follow_the_platform():
   cpu = newton_schulz_plan((768, 3072), backend="cpu")
   assert (cpu.variant, cpu.steps, cpu.precondition) == ("gram", 4, "aol")
   assert (cpu.compute_dtype, cpu.precision) == ("float32", "HIGHEST")
-  # float16 (GPU) runs Gram space, restarted every 2 steps; bfloat16 (TPU) the standard
-  # iteration (see use_gram).
-  gpu, tpu = (newton_schulz_plan((768, 3072), backend=b) for b in ("gpu", "tpu"))
-  assert (gpu.variant, gpu.compute_dtype, gpu.precision) == ("gram", "float16", "DEFAULT")
-  assert gpu.segments == ((0, 2), (2, 4))
-  assert (tpu.variant, tpu.compute_dtype, tpu.precision) == ("standard", "bfloat16", "DEFAULT")
-  assert tpu.flops == newton_schulz_flops(768, 3072, NS(gram=False), backend="cpu")
-  assert gpu.flops < 0.8 * tpu.flops
+  for backend in ("gpu", "tpu"):
+    plan = newton_schulz_plan((768, 3072), backend=backend)
+    # bfloat16 operands keep the standard iteration (see use_gram).
+    assert (plan.variant, plan.compute_dtype, plan.precision) == (
+        "standard", "bfloat16", "DEFAULT")
+    assert plan.flops == newton_schulz_flops(768, 3072, NS(gram=False), backend=backend)
+  # float16 operands run Gram space, restarted every 2 steps.
+  half = newton_schulz_plan((768, 3072), NS(compute_dtype="float16"), backend="gpu")
+  assert (half.variant, half.segments) == ("gram", ((0, 2), (2, 4)))
+  assert half.flops < 0.8 * newton_schulz_plan((768, 3072), backend="gpu").flops
   explicit = newton_schulz_plan((3072, 768), NS("jordan", compute_dtype="float32",
                                                 precision="highest"), backend="gpu")
   assert (explicit.variant, explicit.steps, explicit.precondition) == ("gram", 5, "frobenius")
@@ -136,4 +138,4 @@ def test_float8_steps_are_planned_and_keep_the_standard_iteration():
   plan = newton_schulz_plan((768, 3072), NS(fp8_steps=2), backend="gpu")
   assert (plan.variant, plan.fp8_steps) == ("standard", 2)
   assert str(plan).endswith("first 2 steps float8_e4m3fn operands")
-  assert plan.flops == newton_schulz_flops(768, 3072, NS(gram=False))
+  assert plan.flops == newton_schulz_flops(768, 3072, NS(gram=False), backend="gpu")

@@ -239,12 +239,14 @@ def test_infer_routing_routes_both_variants(tmp_path, capsys):
 def test_distributed_compiles_both_layouts(tmp_path, capsys):
   argv = smallest("benchmarks.distributed", tmp_path)
   from benchmarks import distributed
+  from benchmarks.common import LAYOUTS
   distributed.main(argv)
   out = capsys.readouterr().out
   check_report(out, "benchmarks.distributed", argv)
   # Fixed columns: layout, devices, the arm's name in 22 characters, then the figures.
+  first, _, layouts = out.partition("\nmo.muon in each layout")
   rows = [(*line[:10].split(), line[11:33].strip(), line[33:].split())
-          for line in out.splitlines() if line.startswith(("zero1", "fsdp"))]
+          for line in first.splitlines() if line.startswith(("zero1", "fsdp"))]
   arms = ("muon_optax", "muon_optax flops alone", "nordion2 (0.25)", "nordion2 per shard",
           "muonbp full step", "muonbp block step", "optax.contrib.muon")
   assert [r[:3] for r in rows] == [(kind, n, name) for kind in ("zero1", "fsdp")
@@ -252,6 +254,16 @@ def test_distributed_compiles_both_layouts(tmp_path, capsys):
   collectives = {(kind, n, name): int(figures[2]) for kind, n, name, figures in rows}
   assert collectives["fsdp", "2", "muonbp block step"] == 0  # no communication at all
   assert collectives["fsdp", "2", "muonbp full step"] == collectives["fsdp", "2", "muon_optax"]
+  # The layouts' table: each layout, mesh and way of telling it; only a bare mesh= on an
+  # Auto mesh guesses (and warns), and a stated layout costs no more than on Explicit axes.
+  table = {(line[:8].strip(), line[9:17].strip(), line[18:37].strip()): line[37:].split()
+           for line in layouts.splitlines() if line.startswith(LAYOUTS)}
+  forms = ("stated", "stated, 1 exchange", "bare mesh=")
+  assert list(table) == [(k, t, f) for k in LAYOUTS for t in ("Auto", "Explicit") for f in forms]
+  for (kind, types, form), (count, _, warned, *_) in table.items():
+    assert warned == ("yes" if (types, form) == ("Auto", "bare mesh=") else "no")
+    if form != "bare mesh=":
+      assert int(count) <= int(table[kind, "Explicit", form][0])
 
 
 def test_scale_compiles_each_arm_once_and_resumes(tmp_path):

@@ -56,12 +56,12 @@ def test_a_stack_is_owned_when_its_devices_hold_whole_matrices():
   assert not owned(P(("data", "model")), (4, 16, 32), mesh)  # 4 matrices for 8 devices
 
 
-def test_layout_of_splits_replicated_blocks_between_replicas():
+def test_shards_of_splits_replicated_shards_between_replicas():
   mesh = mesh_of((4, 2), ("data", "model"))
-  # Rows split over "data" only: each block is shared by the 2 "model" replicas.
-  lay = shards_of(NamedSharding(mesh, P(None, "data")), (3, 32, 20), mesh)
-  assert lay.grid == (4, 1) and lay.block == (8, 20) and lay.replicas == 2
-  assert lay.where[:4] == ((0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1))
+  # Rows split over "data" only: each shard is shared by the 2 "model" replicas.
+  shards = shards_of(NamedSharding(mesh, P(None, "data")), (3, 32, 20), mesh)
+  assert shards.grid == (4, 1) and shards.shard == (8, 20) and shards.replicas == 2
+  assert shards.where[:4] == ((0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1))
   # A split the shape does not allow, or a split stack axis, is dropped.
-  lay = shards_of(NamedSharding(mesh, P("model", "data")), (2, 10, 20), mesh)
-  assert lay.spec == P(None, None, None) and lay.replicas == 8 and lay.block == (10, 20)
+  shards = shards_of(NamedSharding(mesh, P("model", "data")), (2, 10, 20), mesh)
+  assert shards.spec == P(None, None, None) and shards.replicas == 8 and shards.shard == (10, 20)

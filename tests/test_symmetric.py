@@ -131,3 +131,13 @@ def test_default_sizes_take_the_symmetric_path():
   assert compiled_flops(mo.newton_schulz, x) == pytest.approx(plan.flops, rel=1e-2)
   m, n = shape
   assert plan.flops < 0.8 * (8 * m * m * n + 20 * m**3)  # the whole products' count
+
+
+def test_gpus_form_every_product_whole():
+  """Measured slower in block rows on an H200, so a GPU's plan and iteration use whole
+  products, while the CPU's and TPU's cut them."""
+  assert block_count(4096, "gpu") == 1 and block_count(4096, "cpu") == symmetric.MAX_BLOCKS
+  assert block_count(4096, "tpu") == symmetric.MAX_BLOCKS
+  whole = mo.newton_schulz_plan((768, 3072), "turbo", backend="gpu", symmetric=False).flops
+  assert mo.newton_schulz_plan((768, 3072), "turbo", backend="gpu").flops == whole
+  assert mo.newton_schulz_plan((768, 3072), "turbo", backend="cpu").flops < whole

@@ -143,17 +143,18 @@ class NewtonSchulz:
     gram: True for the Gram-space iteration, False for the standard one, None to choose
       per matrix shape and dtype (see `newton_schulz`).
     precondition: "frobenius", "aol", or None for the preset's own (a table: frobenius).
-    compute_dtype: matmul operand dtype, or "auto": float16 on GPU, bfloat16 on TPU,
-      float32 on CPU (each platform's fastest with float32 accumulation; float16 has 3
-      more bits than bfloat16, which keeps the Gram-space iteration as accurate as
-      float32: benchmarks/results/newton_schulz_precision.txt). Products accumulate in
-      float32.
+    compute_dtype: matmul operand dtype, or "auto": bfloat16 on GPU and TPU, float32 on
+      CPU. Products accumulate in float32. float16 (on GPU) has 3 more bits than
+      bfloat16, enough for the Gram-space iteration to run as accurately as in float32
+      (`use_gram` picks it: benchmarks/results/newton_schulz_precision.txt).
     precision: matmul precision, or "auto": HIGHEST on CPU, DEFAULT on accelerators.
     fp8_steps: how many of the first steps read their operands as float8 (e4m3), each
       matrix scaled by a power of two so that its largest entry is 128 to 256 (a Python
       int, 0 by default; fewer than the steps). They run the standard iteration: Gram
-      space cannot hold its state in 8 bits. An option, not a default: see
-      benchmarks/results/newton_schulz_precision.txt for what it costs in accuracy.
+      space cannot hold its state in 8 bits. An option, not a default, for gentle
+      schedules ("jordan"): a steep first step ("turbo") cancels large terms that 8 bits
+      cannot hold, and diverges on some inputs
+      (benchmarks/results/newton_schulz_precision.txt).
     fn: any function from a (count, m, n) stack of wide matrices (m ≤ n) to an array of
       the same shape (a Pallas kernel, another polynomial); it replaces the built-in
       iteration, so the other settings must keep their defaults.
@@ -267,10 +268,11 @@ class NewtonSchulz:
     return self.precision
 
 
-# "auto" operands per platform: float16 where it is native (GPU tensor cores run it as
-# fast as bfloat16); bfloat16 on TPU (float16 is not native there) and anywhere else.
-AUTO_DTYPES = {"cpu": jnp.float32, "gpu": jnp.float16, "cuda": jnp.float16,
-               "rocm": jnp.float16, "tpu": jnp.bfloat16}
+# "auto" operands per platform: float32 on CPU, bfloat16 elsewhere. On GPU, float16 (as
+# fast on tensor cores, 3 more bits) lets Gram space run as accurately as float32
+# (benchmarks/results/newton_schulz_precision.txt); it becomes the GPU default once its
+# convergence check (`--mode convergence` there) is in. float16 is not native on TPU.
+AUTO_DTYPES = {"cpu": jnp.float32, "gpu": jnp.bfloat16, "tpu": jnp.bfloat16}
 
 NS = Union[str, NewtonSchulz]
 DEFAULT_NS = NewtonSchulz()

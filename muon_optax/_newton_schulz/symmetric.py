@@ -17,33 +17,43 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-# Block rows of at least this many rows: narrower strips run well below a whole
-# product's speed on the CPU, so a matrix under twice this size is computed whole
-# (benchmarks/results/newton_schulz_symmetric.txt).
+# Block rows of at least this many rows, so that each strip stays a large product; a
+# matrix under twice this size is computed whole. Not yet timed on an idle machine: the
+# busy runs in benchmarks/results/newton_schulz_symmetric.txt hint that strips of 96
+# rows (8 blocks of 768) run slower, and cannot rank 2 to 6 blocks.
 MIN_BLOCK_ROWS = 256
 # At most this many block rows: (b + 1) / (2b) gains little past it (9/16 at 8, 1/2 in
 # the limit), while each block row is one more product to compile and schedule.
 MAX_BLOCKS = 8
+# Platforms that form every product whole: an H200 ran GPT-2-small's Newton–Schulz
+# (768-row products in 3 block rows) 1.2-1.6x slower than whole products
+# (benchmarks/results/accelerator_h200.txt against its first run), as narrow strips
+# fill few of its multiprocessors.
+WHOLE_PRODUCTS_ON = ("gpu",)
 
 
-def block_count(m: int) -> int:
-  """How many block rows a symmetric m×m product is cut into (1: the whole product)."""
+def block_count(m: int, backend: Optional[str] = None) -> int:
+  """How many block rows a symmetric m×m product is cut into on `backend` (default:
+  jax's; 1: the whole product)."""
+  if (backend or jax.default_backend()) in WHOLE_PRODUCTS_ON:
+    return 1
   return max(1, min(m // MIN_BLOCK_ROWS, MAX_BLOCKS))
 
 
-def _cuts(m: int, blocks: Optional[int]) -> list[int]:
+def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None) -> list[int]:
   """Block row boundaries 0 = c_0 < … < c_b = m, blocks of equal size but the last."""
-  blocks = block_count(m) if blocks is None else blocks
+  blocks = block_count(m, backend) if blocks is None else blocks
   if not 1 <= blocks <= m:
     raise ValueError(f"a symmetric product of {m} rows takes 1 to {m} block rows, got {blocks}")
   size = -(-m // blocks)
   return list(range(0, m, size)) + [m]
 
 
-def symmetric_flops(m: int, k: int, blocks: Optional[int] = None) -> int:
+def symmetric_flops(m: int, k: int, blocks: Optional[int] = None,
+                    backend: Optional[str] = None) -> int:
   """Matmul flops of an m×m symmetric product with inner dimension k, as computed here
-  (2m²k when it is computed whole)."""
-  cuts = _cuts(m, blocks)
+  on `backend` (2m²k when it is computed whole)."""
+  cuts = _cuts(m, blocks, backend)
   return sum(2 * (stop - start) * k * (m - start) for start, stop in zip(cuts[:-1], cuts[1:]))
 
 

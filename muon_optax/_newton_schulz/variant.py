@@ -3,6 +3,7 @@ Gram-space one restarts, the flops, and `newton_schulz_plan`, which says it all.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -170,7 +171,8 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
   m, n = sorted(shape[-2:])
   steps, dtype, coeffs = ns.num_steps(), ns.dtype(backend), ns.coefficients()
   quintic = quintic_steps(coeffs)
-  product = symmetric_flops if symmetric else whole_product_flops
+  product = (functools.partial(symmetric_flops, backend=backend) if symmetric
+             else whole_product_flops)
   if not ns.fp8_steps and use_gram(m, n, steps, ns.gram, dtype):
     parts = tuple(segments(steps, gram_restarts(slopes_of(coeffs), steps, dtype)))
     variant, flops = "gram", gram_flops(m, n, parts, quintic, product)

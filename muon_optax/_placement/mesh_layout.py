@@ -25,9 +25,8 @@ PARAM_LAYOUTS = ("auto", "sharded", "replicated")
 # rate over its interconnect bandwidth (TPU v5p: 459 TFLOP/s in bfloat16 over 600 GB/s
 # of ICI).
 FLOPS_PER_BYTE = 750
-# The most exchanges memory asks for by default: where even this many buffers do not fit
-# beside the Newton–Schulz work, more would add collectives and save little (measured on
-# the TPU compiler: benchmarks/results/scale_tpu.jsonl).
+# The exchanges memory asks for by default where one exchange's buffers do not fit the
+# memory cap: measured on the TPU compiler (benchmarks/results/scale_tpu.jsonl).
 EXCHANGES = 4
 
 
@@ -71,10 +70,10 @@ class MeshLayout:
     exchanges: the matrices travel in this many exchanges, one after another, each
       with its own collectives in and out: more bound the peak memory of the buffers
       and Newton–Schulz temporaries lower, at two collectives each. Default (None): as
-      many as memory needs, one where an exchange's buffers fit the memory cap beside
-      the largest unit of Newton–Schulz work, more (at most 4) only where they do not.
-      An integer forces the count, capped by the rounds: rounds that share devices
-      travel together, so a tree of 4 rounds runs `exchanges=8` as 4.
+      memory needs, one where a single exchange's buffers fit the memory cap beside
+      the largest unit of Newton–Schulz work, else 4. An integer forces the count,
+      capped by the rounds: rounds that share devices travel together, so a tree of 4
+      rounds runs `exchanges=8` as 4.
     flops_per_byte: what a byte between devices costs in 16-bit matmul flops, which
       decides whether splitting a matrix over devices pays: each device then does 1/g
       of its flops but receives about three m×m blocks a step, in a few collectives
