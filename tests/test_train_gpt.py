@@ -8,6 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
+import muon_optax as mo
 from examples import train_gpt
 from workload import stdlib_text
 from workload.train import steps_to_reach
@@ -267,3 +268,9 @@ def test_run_json_records_the_decay_that_acted(tmp_path):
   assert result["runs"][0]["config"]["weight_decay"] == 0.1
   saved = json.loads((tmp_path / "run.json").read_text())
   assert saved["runs"][0]["config"]["weight_decay"] == 0.1
+
+
+def test_every_newton_schulz_preset_is_a_cli_choice():
+  from workload.config import NS_PRESETS
+
+  assert set(NS_PRESETS) == set(mo.PRESETS)

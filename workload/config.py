@@ -27,7 +27,7 @@ BEST_LR = {"muon": 0.04, "normuon": 0.04, "adamuon": 0.016, "adaptive": 0.8, "ad
 # The weight decay of the decay presets (-wd plain, -cwd cautious) unless --weight-decay
 # gives another; every other optimizer decays only by --weight-decay.
 PRESET_DECAY = {name: 0.1 for name in ("muon-wd", "muon-cwd", "normuon-wd", "normuon-cwd")}
-NS_PRESETS = ("turbo", "jordan", "polar_express")
+NS_PRESETS = ("turbo", "jordan", "polar_express", "deepseek_v4", "cubic5")
 
 
 def simulate_devices(count: int) -> None:
