@@ -191,7 +191,8 @@ def mesh_plan(params: Any, devices: int, *, routing: Any = None, ns: NS = DEFAUL
     devices: the mesh's size.
     routing: as given to `muon`.
     ns: as given to `muon`; its "auto" settings are jax's default backend's.
-    flops_per_byte, memory: as given to `MeshLayout`.
+    flops_per_byte: as given to `MeshLayout`.
+    memory: as given to `MeshLayout`.
 
   Returns:
     A `MeshPlan`: each round's (rows, cols, split), in the order they run (a split g > 1:
