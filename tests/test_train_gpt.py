@@ -274,3 +274,11 @@ def test_every_newton_schulz_preset_is_a_cli_choice():
   from workload.config import NS_PRESETS
 
   assert set(NS_PRESETS) == set(mo.PRESETS)
+
+
+def test_muonbp_presets_refuse_another_device_count():
+  from workload.config import TrainConfig
+
+  with pytest.raises(ValueError, match="--devices 1 .* or 8, not 4"):
+    TrainConfig(optimizer="muonbp4", devices=4)
+  TrainConfig(optimizer="muonbp4", devices=8)

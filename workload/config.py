@@ -27,6 +27,7 @@ BEST_LR = {"muon": 0.04, "normuon": 0.04, "adamuon": 0.016, "adaptive": 0.8, "ad
 # The weight decay of the decay presets (-wd plain, -cwd cautious) unless --weight-decay
 # gives another; every other optimizer decays only by --weight-decay.
 PRESET_DECAY = {name: 0.1 for name in ("muon-wd", "muon-cwd", "normuon-wd", "normuon-cwd")}
+BLOCK_DEVICES = 8  # MuonBP presets: the blocks of this many devices
 NS_PRESETS = ("turbo", "jordan", "polar_express", "deepseek_v4", "cubic5")
 
 
@@ -88,6 +89,10 @@ class TrainConfig:
       raise ValueError(f"unknown Newton–Schulz preset {self.ns!r}; use one of {NS_PRESETS}.")
     if self.weight_decay is not None and not self.weight_decay >= 0:
       raise ValueError(f"--weight-decay must be ≥ 0, got {self.weight_decay}.")
+    if self.optimizer.startswith("muonbp") and self.devices not in (1, BLOCK_DEVICES):
+      raise ValueError(f"--optimizer {self.optimizer} takes the blocks of {BLOCK_DEVICES} devices: "
+                       f"run it with --devices 1 (the blocks simulated) or {BLOCK_DEVICES}, "
+                       f"not {self.devices}.")
 
   def resolved(self) -> TrainConfig:
     """This config with the weight decay that acts in place of "the optimizer's own":

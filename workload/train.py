@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import muon_optax as mo
 from workload import stdlib_text
-from workload.config import TrainConfig
+from workload.config import BLOCK_DEVICES, TrainConfig
 from workload.gpt import GPT, GPTConfig, loss_fn, num_params
 from workload.machine import machine_info
 
@@ -33,8 +33,8 @@ FAMILY = {"muon": (mo.muon, {}), "normuon": (mo.normuon, {}), "adamuon": (mo.ada
           "nordion2": (mo.nordion2, {"fraction": 0.25}),
           "nordion2-0.5": (mo.nordion2, {"fraction": 0.5}),
           "nordion2-1": (mo.nordion2, {"fraction": 1.0}),
-          "muonbp4": (mo.muonbp, {"blocks": mo.BlockPeriodic(4, devices=8)}),
-          "muonbp8": (mo.muonbp, {"blocks": mo.BlockPeriodic(8, devices=8)}),
+          "muonbp4": (mo.muonbp, {"blocks": mo.BlockPeriodic(4, devices=BLOCK_DEVICES)}),
+          "muonbp8": (mo.muonbp, {"blocks": mo.BlockPeriodic(8, devices=BLOCK_DEVICES)}),
           "muon-wd": (mo.muon, {}), "muon-cwd": (mo.muon, {}),
           "normuon-wd": (mo.normuon, {}), "normuon-cwd": (mo.normuon, {}),
           "muonh": (mo.muonh, {}),
