@@ -16,8 +16,8 @@ import muon_optax as mo
 from benchmarks.hlo import collective_stats
 from muon_optax._sharded_ns.factor_mesh import SHARED_MATRIX_SCOPE
 
-# One process at a time may hold libtpu (its lockfile): the suite runs whole files to a
-# worker (`--dist loadfile`), so these tests share one.
+# libtpu takes a lockfile that one process at a time may hold; conftest.py lets both
+# workers load it (offline compiles hold no chip), as the benchmarks' TPU columns do too.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="libtpu is not installed (the `tpu` extra)")
 
