@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType
+from sharded_case import param_shardings
 
 import muon_optax as mo
 from muon_optax._util.paths import leaves_with_path
@@ -72,8 +72,7 @@ def run_on_one_and_eight(make, layout="fsdp", types=AxisType.Auto, steps=STEPS):
   `make(mesh=mesh)` on 8 (params FSDP-sharded or replicated as `layout` says, the state
   as `state_shardings` lays it out), with one compilation for all steps."""
   mesh, params = mesh_of(types), make_params()
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
-            else mo.fsdp_shardings(params, mesh))
+  pshard = param_shardings(params, mesh, layout)
   results = []
   for tx, shard in ((make(), None), (make(mesh=mesh), pshard)):
     p = params if shard is None else jax.device_put(params, shard)

@@ -74,11 +74,17 @@ def gpt2_small_tree(layers=12, d=768):
           for i in range(layers)}
 
 
+def param_shardings(params, mesh, kind="fsdp"):
+  """The params' shardings as trainers lay them out: replicated (ZeRO-1) or FSDP."""
+  if kind == "zero1":
+    return jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+  return mo.fsdp_shardings(params, mesh)
+
+
 def compiled_update(tx, params, mesh=None, kind="zero1"):
   """The compiled update on abstract params: replicated (ZeRO-1) or FSDP on `mesh`."""
   if mesh is not None:
-    shard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if kind == "zero1"
-             else mo.fsdp_shardings(params, mesh))
+    shard = param_shardings(params, mesh, kind)
     params = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
                           params, shard)
     shardings = mo.state_shardings(tx, params, mesh)

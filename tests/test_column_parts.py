@@ -5,14 +5,13 @@ parts of whole blocks that travel as runs, give the single-device update."""
 import jax
 import pytest
 from _helpers import assert_trees_close
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from sharded_case import (
   AUTO,
   EXPLICIT,
   FLOPS_ALONE,
   mesh_of,
   optimizer,
+  param_shardings,
   placed,
   run_steps,
 )
@@ -41,8 +40,7 @@ def test_splits_finer_than_the_input_blocks_match_single_device(layout, types):
   blocks = [8, 8, 8]  # the state's columns (the long side) over the 8 devices
   rounds = plan_rounds(shapes, 8, col_shards=blocks, flops_per_byte=FLOPS_ALONE)
   assert any(r.split > 1 and r.cols // 8 % r.split for r in rounds), rounds
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
-            else mo.fsdp_shardings(params, mesh))
+  pshard = param_shardings(params, mesh, layout)
   want_p, _ = run_steps(optimizer(), params, 5)
   got_p, _ = run_steps(optimizer(placed(mesh, layout)), params, 5, (mesh, pshard))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)

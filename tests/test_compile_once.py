@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from sharded_case import param_shardings
 
 import muon_optax as mo
 
@@ -61,8 +62,7 @@ def mesh_compilations(make, types: AxisType, layout: str) -> int:
   laid out by `state_shardings` (as the docs write it)."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(types,))
   params = make_params()
-  shardings = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
-               else mo.fsdp_shardings(params, mesh))
+  shardings = param_shardings(params, mesh, layout)
   params = jax.device_put(params, shardings)
   tx = make(mesh=mesh)
   state = jax.jit(tx.init, out_shardings=mo.state_shardings(tx, params, mesh))(params)

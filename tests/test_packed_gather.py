@@ -9,7 +9,7 @@ import pytest
 from _helpers import assert_trees_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from sharded_case import compiled_update, gpt2_small_tree, placed, run_steps, small_tree
+from sharded_case import compiled_update, gpt2_small_tree, param_shardings, placed, run_steps, small_tree
 
 import muon_optax as mo
 from benchmarks.hlo import collective_stats
@@ -102,8 +102,7 @@ def test_without_replicated_params_it_is_the_inner_transform():
 @pytest.mark.parametrize("layout", ["zero1", "fsdp"])
 def test_packed_gather_matches_single_device(layout):
   mesh, params = mesh_of((8,), ("data",)), small_tree()
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
-            else mo.fsdp_shardings(params, mesh))
+  pshard = param_shardings(params, mesh, layout)
   # muon(mesh=...) wraps its AdamW branch in with_packed_gather.
   tx = lambda mesh=None: mo.muon(0.05, weight_decay=0.01, mesh=mesh,
                                  adam=mo.AuxAdam(1e-2, backend="optax"))
