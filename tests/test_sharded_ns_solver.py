@@ -20,6 +20,7 @@ from sharded_case import (
   gpt2_small_tree,
   mesh_of,
   optimizer,
+  param_shardings,
   placed,
   run_steps,
   small_tree,
@@ -78,8 +79,7 @@ def test_fewer_matrices_than_devices_split_and_match_single_device(layout):
   # fill every device: 2 × 4, 1 × 8, 1 × 8.
   assert [r.split for r in rounds] == [4, 8, 8]
   assert all(None not in r.slots for r in rounds)
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
-            else mo.fsdp_shardings(params, mesh))
+  pshard = param_shardings(params, mesh, layout)
   tx = lambda mesh=None: mo.muon(0.05, weight_decay=0.01, mesh=mesh,
                                  adam=mo.AuxAdam(1e-2, backend="optax"))
   want_p, _ = run_steps(tx(), params, 5)
@@ -123,8 +123,7 @@ def test_rounds_of_one_shape_in_different_splits_match_single_device(layout):
   assert [r.split for r in rounds] == [4, 8]
   assert all(None not in r.slots for r in rounds)
   assert per_device_flops(shapes, 8, flops_per_byte=FLOPS_ALONE) == 3 * newton_schulz_flops(32, 128) // 8
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
-            else mo.fsdp_shardings(params, mesh))
+  pshard = param_shardings(params, mesh, layout)
   want_p, _ = run_steps(optimizer(), params, 5)
   got_p, _ = run_steps(optimizer(placed(mesh, layout)), params, 5, (mesh, pshard))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)
@@ -198,8 +197,7 @@ def test_partial_rounds_on_disjoint_devices_share_a_slot_and_match_single_device
   rounds = plan_rounds([(4, 16, 64), (4, 32, 32)], 8, mo.NewtonSchulz().on("cpu"))
   assert [r.split for r in rounds] == [1, 1], rounds
   layout = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded")
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if kind == "zero1"
-            else mo.fsdp_shardings(params, mesh))
+  pshard = param_shardings(params, mesh, kind)
   want, _ = run_steps(optimizer(), params, 2)
   got, _ = run_steps(optimizer(layout), params, 2, (mesh, pshard))
   assert_trees_close(got, want, rtol=0, atol=1e-5)
@@ -229,8 +227,7 @@ def test_a_split_round_shares_its_slot_with_whole_matrices_and_matches_single_de
   mesh = mesh_of()
   layout = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded",
                          memory=memory)
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if kind == "zero1"
-            else mo.fsdp_shardings(params, mesh))
+  pshard = param_shardings(params, mesh, kind)
   want, _ = run_steps(optimizer(), params, 2)
   got, _ = run_steps(optimizer(layout), params, 2, (mesh, pshard))
   assert_trees_close(got, want, rtol=0, atol=1e-5)
