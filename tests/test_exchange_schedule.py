@@ -174,7 +174,7 @@ def test_units_carry_their_kind_s_blocks_and_rounds_of_whole_matrices_none():
   assert units(rounds, None, NS) == [Unit([0], 1), Unit([1, 2], 1)]
 
 
-def test_exchanges_by_need_one_where_the_buffers_fit_beside_the_largest_unit():
+def test_exchanges_by_need_are_the_fewest_whose_buffers_fit_beside_the_largest_unit():
   # 32 matrices 64×128 on 8 devices: 4 whole rounds, each a slot of its own.
   stacks = [columns(64, 128)]
   rounds = plan_rounds([(32, 64, 128)], DEVICES)
@@ -186,8 +186,11 @@ def test_exchanges_by_need_one_where_the_buffers_fit_beside_the_largest_unit():
   whole = buffer_elements(ExchangePlan.of(rounds, stacks, stacks, False, DEVICES), False)
   assert whole == 2 * 4 * 64 * 128
   assert need(None) == 1 and need(whole + work) == 1
-  assert need(whole + work - 1) == EXCHANGES  # one does not fit: four
-  assert need(work) == EXCHANGES
+  # The fewest that fit: two exchanges of two rounds each hold half the buffers.
+  assert need(whole + work - 1) == 2 and need(whole / 2 + work) == 2
+  # Three cut 4 rounds as 2 + 1 + 1, no smaller than two: past them, four.
+  assert need(whole / 2 + work - 1) == EXCHANGES
+  assert need(work) == EXCHANGES  # nothing fits
   # Gathered, every device receives every result: n times the results it owns.
   gathered = buffer_elements(ExchangePlan.of(rounds, stacks, stacks, True, DEVICES), True)
   assert gathered == 4 * 64 * 128 * (1 + DEVICES)

@@ -283,17 +283,20 @@ def unit_work(rounds: list[Round], unit: Unit) -> float:
 def exchanges_by_need(rounds: list[Round], ins: list[StackShards], outs: list[StackShards],
                       gather: bool, budget: Optional[float], ns: NewtonSchulz = DEFAULT_NS
                       ) -> int:
-  """How many exchanges memory needs (`MeshLayout.exchanges` None): one where its buffers
-  (`buffer_elements`) fit `budget` (float32 elements; None: no cap) beside the largest
-  unit of local work (`units`), else `EXCHANGES`, as many as `split_into_exchanges` can
-  cut (rounds that share devices travel together). Not a count in between: two or
-  three exchanges hold their buffers beside the work at a higher peak than four, which
-  bound the pod-scale figures (benchmarks/results/scale.jsonl)."""
+  """How many exchanges memory needs (`MeshLayout.exchanges` None): the fewest, up to
+  `EXCHANGES`, whose largest exchange's buffers (`buffer_elements`) fit `budget` (float32
+  elements; None: no cap) beside the largest unit of local work (`units`); where none
+  does, as many as `split_into_exchanges` cuts for `EXCHANGES` (rounds that share
+  devices travel together), the count that bounds the pod-scale figures
+  (benchmarks/results/scale.jsonl). Each exchange costs two collectives."""
   if budget is None or not rounds:
     return 1
   devices = len(rounds[0].slots)
   work = max(unit_work(rounds, unit) for unit in units(rounds, budget, ns))
-  plan = ExchangePlan.of(rounds, ins, outs, gather, devices)
-  if buffer_elements(plan, gather) + work <= budget:
-    return 1
+  for count in range(1, EXCHANGES):
+    parts = split_into_exchanges(rounds, count)
+    largest = max(buffer_elements(ExchangePlan.of(part, ins, outs, gather, devices), gather)
+                  for part in parts)
+    if largest + work <= budget:
+      return len(parts)
   return len(split_into_exchanges(rounds, EXCHANGES))
