@@ -13,7 +13,7 @@ offline: needs libtpu, the `tpu` extra), one process per device count, and reads
   traffic (the collectives traced in `SHARED_MATRIX_SCOPE`: Gram sums reduce-scattered,
   whole m×m matrices gathered from row blocks) is its own column;
 - flops per device (`cost_analysis`) over the ideal: the Newton–Schulz flops of every
-  Muon matrix (`newton_schulz_plan`) divided by n;
+  Muon matrix (`newton_schulz_plan`, products whole as a mesh forms them) divided by n;
 - temp memory (`memory_analysis().temp_size_in_bytes`) over the Muon state shard
   (Muon leaves' bytes / n); on TPU also the whole per-chip footprint against 95 GB HBM;
 - compile time.
@@ -118,8 +118,11 @@ def muon_matrices(params) -> list[tuple[int, int, int]]:
 
 
 def ideal_flops(matrices, devices: int, ns) -> float:
+  """The Newton–Schulz flops of `matrices` over `devices`, products counted whole, as a
+  mesh forms them (`newton_schulz_plan(symmetric=False)`)."""
   import muon_optax as mo
-  return sum(c * mo.newton_schulz_plan((r, k), ns).flops for c, r, k in matrices) / devices
+  return sum(c * mo.newton_schulz_plan((r, k), ns, symmetric=False).flops
+             for c, r, k in matrices) / devices
 
 
 def _mesh(devices, layout: str):

@@ -115,7 +115,8 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
   ns, layout = as_newton_schulz(ns), as_mesh_layout(mesh)
   if layout is not None and ns.fn is None:  # the defaults of the platform it runs on
     ns = ns.on(layout.platform)
-  kernel = Kernel.of(ns)  # a custom function sees whole matrices only
+  # A custom function sees whole matrices only; a mesh forms whole products.
+  kernel = Kernel.of(ns, whole_products=layout is not None)
   if around is not None:
     kernel = kernel.around(around)
   return grouped_solver(kernel.whole) if layout is None else mesh_solver(kernel, layout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -101,6 +102,8 @@ class RowBlocks(NamedTuple):
     gram: (X's part, matmul, peak or None) -> this part's rows of X Xᵀ, divided by
       peak² (see `gram_rows`), if it is not sum_rows of the parts' products: a mesh sums
       a few rows at a time, dividing only each block of rows, twice.
+    blocks: the block rows a symmetric product of whole rows is cut into
+      (`symmetric_product`; None: `block_count`'s, 1: whole products).
   """
 
   sum_rows: Callable[[jax.Array], jax.Array]
@@ -110,6 +113,7 @@ class RowBlocks(NamedTuple):
   times: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
   applied: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
   gram: Optional[Callable[[jax.Array, Callable, Optional[jax.Array]], jax.Array]] = None
+  blocks: Optional[int] = None
 
   def apply(self, m, x, mm: Matmul):
     """M X (this part's columns), from this part's rows of M."""
@@ -125,7 +129,7 @@ class RowBlocks(NamedTuple):
       return self.gram(x, mm, peak)
     if peak is not None:
       raise ValueError("whole rows take X already divided by its peak, not the peak")
-    return self.sum_rows(symmetric_gram(x, mm))
+    return self.sum_rows(symmetric_gram(x, mm, self.blocks))
 
   def product(self, a, b, mm: Matmul):
     """This part's rows of A B, from this part's rows of A and of B."""
@@ -136,12 +140,13 @@ def _identity(x):
   return x
 
 
-def whole_rows(reduce: Reduce = _whole) -> RowBlocks:
+def whole_rows(reduce: Reduce = _whole, blocks: Optional[int] = None) -> RowBlocks:
   """Every part holds all rows: the m×m work is repeated on each part, and a Gram sum
   is `reduce` over the parts. Every m×m product of the iteration is of two commuting
-  symmetric matrices, so it is computed as a symmetric one (`symmetric_product`)."""
+  symmetric matrices, so it is computed as a symmetric one (`symmetric_product`) in
+  `blocks` block rows (None: `block_count`'s; 1: whole)."""
   return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t,
-                   times=symmetric_product)
+                   times=functools.partial(symmetric_product, blocks=blocks), blocks=blocks)
 
 
 def _aol(x: jax.Array, r: jax.Array, peak: Optional[jax.Array],
@@ -288,7 +293,17 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
     Boissin et al. 2025, "Turbo-Muon", arXiv 2512.04632.
     Zhang, Amsel, Chen, Dao 2026, "Gram Newton-Schulz" (blog, tridao.me).
   """
-  ns = as_newton_schulz(ns)
+  return _newton_schulz(x, as_newton_schulz(ns), whole_rows())
+
+
+def newton_schulz_whole_products(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
+  """`newton_schulz` with every product formed whole, as a mesh runs it: a symmetric
+  product's block rows read copies of their operands' rows, which at pod scale hold
+  more memory than the planner's cap allows for (`working_set` counts whole products)."""
+  return _newton_schulz(x, as_newton_schulz(ns), whole_rows(blocks=1))
+
+
+def _newton_schulz(x: jax.Array, ns: NewtonSchulz, rows: RowBlocks) -> jax.Array:
   if x.ndim < 2:
     raise ValueError(f"newton_schulz needs an array of shape (..., m, n), got {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -298,7 +313,7 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
   if ns.fn is not None:  # a custom function takes a (count, m, n) stack
     out = ns.fn(wide.reshape(-1, *wide.shape[-2:])).reshape(wide.shape)
   else:
-    out = _orthogonalize_wide(wide, wide.shape[-2:], _whole, ns, whole_rows())
+    out = _orthogonalize_wide(wide, wide.shape[-2:], _whole, ns, rows)
   return _t(out) if tall else out
 
 
@@ -313,10 +328,11 @@ def newton_schulz_column_parts(x: jax.Array, parts: int, reduce: Reduce,
   matrix's result, with the same variant and settings as `newton_schulz` picks.
   `rows` (`RowBlocks`) splits the m×m matrices and products by rows over the parts too,
   so that each part does 1/parts of all the work; without it every part holds them
-  whole (`whole_rows`)."""
+  whole (`whole_rows`) and forms its products whole, as a mesh does (see
+  `newton_schulz_whole_products`)."""
   m, cols = x.shape[-2:]
   return _orthogonalize_wide(x, (m, cols * parts), reduce, as_newton_schulz(ns),
-                             rows or whole_rows(reduce))
+                             rows or whole_rows(reduce, blocks=1))
 
 
 def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowBlocks):

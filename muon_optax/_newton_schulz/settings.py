@@ -312,13 +312,20 @@ class Kernel:
   priced: NewtonSchulz
 
   @classmethod
-  def of(cls, ns: NewtonSchulz) -> Kernel:
-    """The built-in iteration with `ns`'s settings, or `ns.fn` on whole matrices only."""
+  def of(cls, ns: NewtonSchulz, whole_products: bool = False) -> Kernel:
+    """The built-in iteration with `ns`'s settings, or `ns.fn` on whole matrices only;
+    `whole_products`: every product formed whole, as on a mesh, whose memory cap
+    counts whole products (`newton_schulz_whole_products`)."""
     if ns.fn is not None:
       return cls(ns.fn, None, CUSTOM_FN_PRICE)
     # The iteration imports these settings: bound here, when a kernel is built.
-    from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_column_parts
-    return cls(functools.partial(newton_schulz, ns=ns),
+    from muon_optax._newton_schulz.iteration import (
+      newton_schulz,
+      newton_schulz_column_parts,
+      newton_schulz_whole_products,
+    )
+    whole = newton_schulz_whole_products if whole_products else newton_schulz
+    return cls(functools.partial(whole, ns=ns),
                functools.partial(newton_schulz_column_parts, ns=ns), ns)
 
   def around(self, wrap: Callable[[Callable], Callable]) -> Kernel:
