@@ -131,6 +131,25 @@ def test_a_kernel_carries_one_newton_schulz_whole():
   np.testing.assert_array_equal(wrapped.whole(x), 3 * mo.newton_schulz(x, ns))
 
 
+def test_a_mesh_kernel_forms_its_products_whole():
+  # Symmetric block rows copy their operands' rows, which a mesh's memory cap does not
+  # count: a mesh's kernel forms every product whole, at the flops the planner prices
+  # (`newton_schulz_plan(symmetric=False)`), and equals the symmetric result to float32
+  # rounding; one device keeps the cheaper symmetric products.
+  ns = mo.NewtonSchulz(compute_dtype="float32", gram=False)
+  x = jax.random.normal(jax.random.key(0), (1, 1024, 2048))
+  flops = lambda fn: jax.jit(fn).lower(x).compile().cost_analysis()["flops"]
+  mesh, single = Kernel.of(ns, whole_products=True), Kernel.of(ns)
+  whole = mo.newton_schulz_plan((1024, 2048), ns, backend="cpu", symmetric=False).flops
+  symmetric = mo.newton_schulz_plan((1024, 2048), ns, backend="cpu").flops
+  assert symmetric < 0.85 * whole
+  # The compiled count adds the elementwise work, a few flops an element per step.
+  assert whole <= flops(mesh.whole) <= 1.02 * whole
+  assert symmetric <= flops(single.whole) <= 1.02 * symmetric
+  bound = 64 * np.finfo(np.float32).eps
+  np.testing.assert_allclose(mesh.whole(x), single.whole(x), atol=bound)
+
+
 @pytest.mark.parametrize("settings, match", [
     (dict(fp8_steps=4), r"fp8_steps must be a Python int from 0 to steps - 1 \(3\)"),
     (dict(fp8_steps=-1), "fp8_steps must be"),
