@@ -70,8 +70,8 @@ class MeshLayout:
     exchanges: the matrices travel in this many exchanges, one after another, each
       with its own collectives in and out: more bound the peak memory of the buffers
       and Newton–Schulz temporaries lower, at two collectives each. Default (None): as
-      memory needs, one where a single exchange's buffers fit the memory cap beside
-      the largest unit of Newton–Schulz work, else 4. An integer forces the count,
+      memory needs, the fewest (1 to 3) whose largest exchange's buffers fit the memory
+      cap beside the largest unit of Newton–Schulz work, else 4. An integer forces the count,
       capped by the rounds: rounds that share devices travel together, so a tree of 4
       rounds runs `exchanges=8` as 4.
     flops_per_byte: what a byte between devices costs in 16-bit matmul flops, which
