@@ -13,7 +13,8 @@ A second table compiles Muon's update on 8 devices in the layouts users train in
 tensor, MoE experts on an expert axis with FSDP), on Auto and Explicit meshes, told the
 layout three ways: stated (`MeshLayout(mesh, params=param_shardings)`), stated with one
 exchange, and a bare `mesh=` (on an Auto mesh a guess, which warns; on an Explicit one
-the types say). `--layouts` picks some of them, `--layouts` alone none.
+the types say), with the temporary memory each compiles to. `--layouts` picks some of
+them, `--layouts` alone none.
 
 Everything here is read from compiled programs (XLA cost analysis, collectives in the
 HLO text) and array shards, not timed: the figures are deterministic. Collective
@@ -96,7 +97,8 @@ def measure(tx, params, mesh, data_axis="data"):
           "collectives": sum(n for n, _ in stats.values()),
           "collective_bytes": sum(b for _, b in stats.values()),
           "detail": {k: v for k, v in stats.items() if v[0]},
-          "state_bytes": state_bytes}
+          "state_bytes": state_bytes,
+          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -137,7 +139,8 @@ def layout_rows(params, kind: str):
       kinds = ", ".join(f"{n} {op}" for op, (n, _) in r["detail"].items())
       guessed = any("MeshLayout(mesh, params=" in str(w.message) for w in caught)
       yield (f"{kind:<8} {types.name:<8} {form:<19} {r['collectives']:>11} "
-             f"{r['flops'] / 1e9:>12.1f} {'yes' if guessed else 'no':>6}  {kinds}")
+             f"{r['flops'] / 1e9:>12.1f} {r['temp_bytes'] / 1e6:>7.1f} "
+             f"{'yes' if guessed else 'no':>6}  {kinds}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -195,7 +198,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"\nmo.muon in each layout, {MAX_DEVICES} devices (the same tree; EP adds 8 experts "
           "d×4d, each whole on one device)")
     columns = (f"{'layout':<8} {'mesh':<8} {'mesh= told':<19} {'collectives':>11} "
-               f"{'GFLOP/device':>12} {'warned':>6}  by kind")
+               f"{'GFLOP/device':>12} {'temp MB':>7} {'warned':>6}  by kind")
+    print("'temp MB': XLA's temporary memory per device, against the memory cap of twice "
+          "the Muon state shard (the default exchanges are the fewest that fit it, else 4).")
     print("'warned': the layout was guessed, and a warning named the fix.")
     print(columns + "\n" + "-" * len(columns))
     for kind in args.layouts:

@@ -260,10 +260,12 @@ def test_distributed_compiles_both_layouts(tmp_path, capsys):
            for line in layouts.splitlines() if line.startswith(LAYOUTS)}
   forms = ("stated", "stated, 1 exchange", "bare mesh=")
   assert list(table) == [(k, t, f) for k in LAYOUTS for t in ("Auto", "Explicit") for f in forms]
-  for (kind, types, form), (count, _, warned, *_) in table.items():
+  for (kind, types, form), (count, _, temp, warned, *_) in table.items():
     assert warned == ("yes" if (types, form) == ("Auto", "bare mesh=") else "no")
     if form != "bare mesh=":
       assert int(count) <= int(table[kind, "Explicit", form][0])
+    if form == "stated":  # exchanges by need hold less than one exchange, or the same
+      assert float(temp) <= float(table[kind, types, "stated, 1 exchange"][2])
 
 
 def test_scale_compiles_each_arm_once_and_resumes(tmp_path):
