@@ -188,7 +188,7 @@ def test_exchanges_by_need_are_the_fewest_whose_buffers_fit_beside_the_largest_u
   assert need(None) == 1 and need(whole + work) == 1
   # The fewest that fit: two exchanges of two rounds each hold half the buffers.
   assert need(whole + work - 1) == 2 and need(whole / 2 + work) == 2
-  # Three cut 4 rounds as 2 + 1 + 1, no smaller than two: past them, four.
+  # Three cut 4 rounds as 1 + 2 + 1, no smaller than two: past them, four.
   assert need(whole / 2 + work - 1) == EXCHANGES
   assert need(work) == EXCHANGES  # nothing fits
   # Gathered, every device receives every result: n times the results it owns.
