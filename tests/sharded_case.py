@@ -74,11 +74,12 @@ def gpt2_small_tree(layers=12, d=768):
           for i in range(layers)}
 
 
-def param_shardings(params, mesh, kind="fsdp"):
-  """The params' shardings as trainers lay them out: replicated (ZeRO-1) or FSDP."""
+def param_shardings(params, mesh, kind="fsdp", data_axis="data"):
+  """The params' shardings as trainers lay them out: replicated (ZeRO-1) or FSDP over
+  `data_axis`."""
   if kind == "zero1":
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
-  return mo.fsdp_shardings(params, mesh)
+  return mo.fsdp_shardings(params, mesh, data_axis=data_axis)
 
 
 def compiled_update(tx, params, mesh=None, kind="zero1"):

@@ -14,6 +14,7 @@ from sharded_case import (
   EXPLICIT,
   mesh_of,
   optimizer,
+  param_shardings,
   placed,
   run_steps,
 )
@@ -36,9 +37,9 @@ def owned_tree(key=4):
                                            ("zero1", EXPLICIT)])
 def test_owned_stacks_are_orthogonalized_where_they_lie(layout, types):
   mesh, params = mesh_of(types=types), owned_tree()
-  pshard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if layout == "zero1"
-            else {**mo.fsdp_shardings(params, mesh),
-                  "experts": {"kernel": NamedSharding(mesh, P("data"))}})
+  pshard = param_shardings(params, mesh, layout)
+  if layout == "fsdp":
+    pshard = {**pshard, "experts": {"kernel": NamedSharding(mesh, P("data"))}}
   want_p, want_s = run_steps(optimizer(), params, 5)
   got_p, got_s = run_steps(optimizer(placed(mesh, layout)), params, 5, (mesh, pshard))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)

@@ -47,10 +47,7 @@ from muon_optax._sharded_ns.split_cost import (
     ("fsdp", EXPLICIT, "optax"), ("fsdp", EXPLICIT, "reference")])
 def test_matches_single_device_over_five_steps(layout, types, backend):
   mesh, params = mesh_of(types=types), small_tree()
-  if layout == "zero1":
-    pshard = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
-  else:
-    pshard = mo.fsdp_shardings(params, mesh)
+  pshard = param_shardings(params, mesh, layout)
   want_p, want_s = run_steps(optimizer(backend=backend), params, 5)
   got_p, got_s = run_steps(optimizer(placed(mesh, layout), backend), params, 5, (mesh, pshard))
   assert_trees_close(got_p, want_p, rtol=0, atol=1e-5)

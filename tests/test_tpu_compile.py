@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from sharded_case import param_shardings
 
 import muon_optax as mo
 from benchmarks.hlo import collective_stats
@@ -45,8 +46,7 @@ def compile_update(tx, params, mesh, kind, data_axis="data"):
 
 
 def lower_update(tx, params, mesh, kind, data_axis="data"):
-  shard = (jax.tree.map(lambda _: NamedSharding(mesh, P()), params) if kind == "zero1"
-           else mo.fsdp_shardings(params, mesh, data_axis=data_axis))
+  shard = param_shardings(params, mesh, kind, data_axis)
   params = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
                         params, shard)
   shardings = mo.state_shardings(tx, params, mesh, data_axis=data_axis)
