@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, Kernel, as_newton_schulz
 from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE, MeshLayout, as_mesh_layout
-from muon_optax._placement.shardings import explicit_spec, stack_spec
+from muon_optax._placement.shardings import explicit_spec, split_first, stack_spec
 from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, from_wide, to_wide
-from muon_optax._routing.matrix_view import ViewFn
+from muon_optax._routing.matrix_view import MatrixView, ViewFn
 from muon_optax._routing.value import as_routing
 from muon_optax._sharded_ns import (  # the scope's name is public: collectives read by it
   SHARED_MATRIX_SCOPE,  # noqa: F401
@@ -30,10 +30,23 @@ from muon_optax._util.order import after
 # results in order; `likes` are the params' leaves, whose layout the results should take,
 # and `paths=` the leaves' paths, by which a `MeshLayout` states the params' layouts.
 # On a mesh, `specs=` (keyword) says where the stacks lie instead, and the results go there.
-Solver = Callable[..., list[jax.Array]]
+Solve = Callable[..., list[jax.Array]]
 
 
-def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> Solver:
+def _own_view(leaf, view: MatrixView, like=None, path=None) -> MatrixView:
+  return view
+
+
+class Solver(NamedTuple):
+  """`solve` (see `Solve`), and the view to stack each leaf through (`view_of(leaf,
+  view, like, path)`, given the leaf's own view): on a mesh, one that keeps the leaf's
+  split where the stack's layout can hold it."""
+
+  solve: Solve
+  view_of: Callable[..., MatrixView] = _own_view
+
+
+def grouped_solver(ns_fn: Callable[[jax.Array], jax.Array], parts: int = 1) -> Solve:
   """One `ns_fn` call per (rows, cols, dtype) group: same-shape matrices are
   concatenated into a single batch, which equals orthogonalizing them one by one. With
   `parts` > 1 a group's stacks are batched in runs of at most 1/parts of all the
@@ -91,20 +104,29 @@ def mesh_solver(kernel: Kernel, layout: MeshLayout) -> Solver:
       return layout.param_spec(path, tuple(leaf.shape)) if layout.stated else None
     return layout.param_spec(path, tuple(leaf.shape))
 
+  def specs_of(leaf, like, path) -> tuple[P, P]:
+    """Where the leaf lies (its type's, else the state's layout) and where its result
+    goes (the parameter's, else where the leaf lies)."""
+    param = param_spec(leaf, like, path)
+    state = explicit_spec(leaf) or layout.state_spec(tuple(leaf.shape), param or P())
+    return state, state if param is None else param
+
+  def view_of(leaf, view: MatrixView, like=None, path=None) -> MatrixView:
+    view = view.normalize(leaf.ndim)
+    return view._replace(batch=split_first(view.batch, specs_of(leaf, like, path)))
+
   def solve(wides, leaves, likes=None, specs=None, paths=None):
     if specs is not None:
       return solve_stacks([w.stack for w in wides], specs, specs)
     likes, paths = likes or [None] * len(leaves), paths or [None] * len(leaves)
-    params = [param_spec(leaf, like, path) for leaf, like, path in zip(leaves, likes, paths)]
-    ins = [explicit_spec(leaf) or layout.state_spec(tuple(leaf.shape), p or P())
-           for leaf, p in zip(leaves, params)]
-    outs = [i if p is None else p for i, p in zip(ins, params)]
+    ins, outs = zip(*[specs_of(leaf, like, path)
+                      for leaf, like, path in zip(leaves, likes, paths)])
     ins = [stack_of(s, leaf, w) for s, leaf, w in zip(ins, leaves, wides)]
     outs = [stack_of(s, leaf, w) for s, leaf, w in zip(outs, leaves, wides)]
     return solve_stacks([w.stack for w in wides], ins,
                         None if all(not any(s) for s in outs) else outs)
 
-  return solve
+  return Solver(solve, view_of)
 
 
 def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
@@ -119,7 +141,7 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
   kernel = Kernel.of(ns, whole_products=layout is not None)
   if around is not None:
     kernel = kernel.around(around)
-  return grouped_solver(kernel.whole) if layout is None else mesh_solver(kernel, layout)
+  return Solver(grouped_solver(kernel.whole)) if layout is None else mesh_solver(kernel, layout)
 
 
 def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any = None) -> Any:
@@ -127,9 +149,11 @@ def orthogonalize_leaves(updates: Any, views: ViewFn, solver: Solver, like: Any 
   `solver`, and puts each result back in its leaf's layout. With `like` (the params),
   the solver also gets their leaves, whose layout the results should take."""
   leaves = MatrixLeaves.of(updates, views)
-  xs = leaves.arrays()
-  wides = [to_wide(x, view) for x, view in zip(xs, leaves.views)]
-  results = solver(wides, xs, leaves.pick_like(like), paths=leaves.paths)
+  xs, likes = leaves.arrays(), leaves.pick_like(like)
+  wides = [to_wide(x, solver.view_of(x, view, like, path))
+           for x, view, like, path in zip(xs, leaves.views, likes or [None] * len(xs),
+                                          leaves.paths)]
+  results = solver.solve(wides, xs, likes, paths=leaves.paths)
   return leaves.put([from_wide(r, w, x.shape) for r, w, x in zip(results, wides, xs)])
 
 

@@ -201,21 +201,23 @@ def select_rows(
     buffer = jax.tree.map(lambda b, g: b if paths.is_masked(g) else b + g.astype(b.dtype),
                           state.buffer, updates, is_leaf=paths.is_masked)
     leaves = MatrixLeaves.of(updates, views)
-    grads, buffers = leaves.arrays(), leaves.pick(buffer)
+    grads, buffers, likes = leaves.arrays(), leaves.pick(buffer), leaves.pick_like(params)
+    leaf_views = [solver.view_of(b, view, like, path) for b, view, like, path
+                  in zip(buffers, leaves.views, likes or [None] * len(buffers), leaves.paths)]
     stacks = [view.to_matrices(b.astype(g.dtype))
-              for b, g, view in zip(buffers, grads, leaves.views)]
+              for b, g, view in zip(buffers, grads, leaf_views)]
     if groups is None:
       # (count, fan_in, fan_out) stacks, not turned wide: the selection needs the fan-out.
-      results = solver([WideStack(m, view, False) for m, view in zip(stacks, leaves.views)],
-                       buffers, leaves.pick_like(params), paths=leaves.paths)
+      results = solver.solve([WideStack(m, view, False) for m, view in zip(stacks, leaf_views)],
+                             buffers, likes, paths=leaves.paths)
     else:
       # Groups where the devices split the leading fan-out axis (each holds whole neurons);
       # elsewhere one, whose selection needs only the norms gathered, not the matrix.
       kinds = [_groups_of(b, view, groups, choice_layout)
-               for b, view in zip(buffers, leaves.views)]
-      results = _per_shard(stacks, kinds, select, solver, choice_layout)
+               for b, view in zip(buffers, leaf_views)]
+      results = _per_shard(stacks, kinds, select, solver.solve, choice_layout)
     out, new_buffers = [], []
-    for result, g, b, view, path in zip(results, grads, buffers, leaves.views, leaves.paths):
+    for result, g, b, view, path in zip(results, grads, buffers, leaf_views, leaves.paths):
       out.append(view.from_matrices(result, g.shape).astype(g.dtype))
       # The selected neurons are those with a nonzero update: their buffer decays.
       chosen = jnp.any(out[-1] != 0, axis=view.fan_in, keepdims=True)

@@ -1,12 +1,14 @@
-"""Owned stacks: matrices that lie whole on their devices are orthogonalized where they
-lie, with no exchange, as on one device."""
+"""Owned stacks: matrices that lie whole on their devices, or will once the devices of a
+count block swap shards, are orthogonalized there, as on one device: with no exchange,
+or with one all-to-all inside each block and one back."""
 
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from _helpers import assert_trees_close
+from _helpers import assert_trees_close, float32_bound, rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sharded_case import (
@@ -20,7 +22,7 @@ from sharded_case import (
 )
 
 import muon_optax as mo
-from benchmarks.hlo import collective_stats
+from benchmarks.hlo import collective_ops, collective_stats
 from muon_optax._newton_schulz.variant import newton_schulz_flops
 
 
@@ -65,3 +67,42 @@ def test_an_owned_stack_moves_nothing(types, shape):
   # Its Newton–Schulz work is each device's own matrices: one eighth of the stack's.
   own = shape[0] // 8 * newton_schulz_flops(*shape[1:])
   assert own <= compiled.cost_analysis()["flops"] < 1.1 * own + 50 * math.prod(shape) / 8
+
+
+# Scanned experts, (layers, experts, d, ffn): one matrix per layer and expert.
+SCANNED = mo.Routing.from_labels(lambda p: jax.tree.map(lambda _: "muon", p),
+                                 views=lambda path, shape: mo.MatrixView((0, 1), (2,), (3,)))
+
+
+@pytest.mark.parametrize("types", [AUTO, EXPLICIT])
+@pytest.mark.parametrize("experts, spec, swaps", [
+    (8, P(None, ("expert", "data")), 0),  # each device holds its expert's layers whole
+    (4, P(None, "expert", "data", None), 2),  # FSDP splits them over an expert's 2 devices
+])
+def test_scanned_experts_split_on_their_expert_axis_stay_on_their_devices(types, experts, spec,
+                                                                           swaps):
+  """The layer axis leads the leaf, the expert axis is split: the matrices are stacked
+  experts first, so that each expert's stay on its devices, swapped at most among them."""
+  mesh = mesh_of((2, 4), ("data", "expert"), types)
+  params = {"experts": {"kernel": 0.1 * jax.random.normal(jax.random.key(3),
+                                                          (2, experts, 16, 32))}}
+  pshard = {"experts": {"kernel": NamedSharding(mesh, spec)}}
+  layout = mo.MeshLayout(mesh, params=pshard)
+  tx = mo.muon(0.05, weight_decay=0.01, mesh=layout, routing=SCANNED)
+  want_p, want_s = run_steps(mo.muon(0.05, weight_decay=0.01, routing=SCANNED), params, 3)
+  got_p, got_s = run_steps(tx, params, 3, (mesh, pshard))
+  # Each step's error is one float32 Newton–Schulz's, and they add up.
+  tolerance = 3 * 2 * float32_bound()
+  for got, want in [(got_p, want_p), (got_s, want_s)]:
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert rel(np.asarray(g).reshape(1, -1), np.asarray(w).reshape(1, -1)) <= tolerance
+  abstract = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
+                          params, pshard)
+  sshard = mo.state_shardings(tx, abstract, layout)
+  state = jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
+                       jax.eval_shape(tx.init, abstract), sshard)
+  text = jax.jit(tx.update, out_shardings=(pshard, sshard)).lower(abstract, state,
+                                                                  abstract).compile().as_text()
+  moved = [(op, group) for op, group, _, _ in collective_ops(text)]
+  # Only all-to-alls, in and out, each among one expert's 2 devices.
+  assert moved == [("all-to-all", 2)] * swaps, moved

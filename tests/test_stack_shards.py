@@ -47,11 +47,14 @@ def test_shards_keep_the_matrix_axes_it_can_and_finds_replicas():
       0, 0, 1, 1, 2, 2, 3, 3]
 
 
-def test_a_stack_is_owned_when_its_devices_hold_whole_matrices():
+def test_a_stack_is_owned_when_its_devices_hold_or_can_swap_into_whole_matrices():
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
   assert owned(P("data"), (8, 16, 32), mesh)
   assert owned(P(("data", "model")), (16, 4, 4), mesh)
-  assert not owned(P("data", None, "model"), (8, 16, 32), mesh)  # a matrix axis split
+  # A matrix axis split too: whole once each count block's 2 devices swap their shards.
+  assert owned(P("data", None, "model"), (8, 16, 32), mesh)
+  assert not owned(P("data", None, "model"), (4, 16, 32), mesh)  # 1 matrix, 2 shards
+  assert not owned(P(None, "data", "model"), (8, 16, 32), mesh)  # the count whole
   assert not owned(P(), (8, 16, 32), mesh)  # replicated: every device has every matrix
   assert not owned(P(("data", "model")), (4, 16, 32), mesh)  # 4 matrices for 8 devices
 

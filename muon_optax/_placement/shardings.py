@@ -240,6 +240,19 @@ def data_spec(shape: tuple[int, ...], mesh: Mesh, axes: tuple[str, ...]) -> P:
   return add_data_axes(shape, P(), mesh, axes)
 
 
+def split_first(batch: tuple[int, ...], specs: Sequence[P]) -> tuple[int, ...]:
+  """The leaf axes `batch` (those a matrix stack flattens into its count), reordered so
+  that the one a layout in `specs` splits, the first spec to split exactly one, leads:
+  a stack made through them then keeps that split (`stack_spec`), where the order given
+  would leave it whole and have XLA gather it (scanned experts: (layers, experts, ...)
+  split on experts). The order of the count is free: each matrix is its own."""
+  for spec in specs:
+    split = [a for a in batch if a < len(spec) and spec[a] is not None]
+    if len(split) == 1:
+      return (split[0], *[a for a in batch if a != split[0]])
+  return batch
+
+
 def stack_spec(spec: P, groups: tuple[tuple[int, ...], ...], transposed: bool) -> P:
   """The layout of a leaf's (count, rows, cols) matrix stack, given the leaf's `spec`
   and the leaf axes that make each stack axis (`groups`: batch, fan_in, fan_out, in

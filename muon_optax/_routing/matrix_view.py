@@ -54,7 +54,10 @@ class MatrixView(NamedTuple):
     view = self.normalize(x.ndim)
     order = view.batch + view.fan_in + view.fan_out
     count, fan_in, fan_out = view.matrix_shape(x.shape)
-    m = jnp.transpose(x, order).reshape(count // view.blocks, fan_in, view.blocks, fan_out)
+    m = jnp.transpose(x, order)
+    if view.blocks == 1:  # one reshape: a split leading axis keeps its layout, typed too
+      return m.reshape(count, fan_in, fan_out)
+    m = m.reshape(count // view.blocks, fan_in, view.blocks, fan_out)
     return jnp.swapaxes(m, 1, 2).reshape(count, fan_in, fan_out)
 
   def from_matrices(self, m: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -62,7 +65,8 @@ class MatrixView(NamedTuple):
     view = self.normalize(len(shape))
     order = view.batch + view.fan_in + view.fan_out
     count, fan_in, fan_out = m.shape
-    m = jnp.swapaxes(m.reshape(count // view.blocks, view.blocks, fan_in, fan_out), 1, 2)
+    if view.blocks > 1:
+      m = jnp.swapaxes(m.reshape(count // view.blocks, view.blocks, fan_in, fan_out), 1, 2)
     permuted = m.reshape(tuple(shape[a] for a in order))
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return jnp.transpose(permuted, inverse)

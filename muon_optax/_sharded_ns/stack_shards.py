@@ -64,11 +64,17 @@ def takes_whole_shards(shards: StackShards, split: int, devices: int) -> bool:
 
 
 def owned(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
-  """Whether each device already holds whole matrices of a (count, rows, cols) stack: its
-  count axis split over mesh axes (a scanned stack or MoE experts sharded on their stack
-  axis), its matrix axes whole."""
+  """Whether each device holds whole matrices of a (count, rows, cols) stack, or will once
+  the devices of each count block swap shards: its count axis split over mesh axes (a
+  scanned stack or MoE experts sharded on their stack axis), its matrix axes whole or
+  split over other axes (FSDP beside experts) into as many shards as each block of the
+  count has matrices, or a divisor of that."""
   entries = list(spec) + [None] * 3
-  axes = spec_axes(entries[0])
-  return (bool(axes) and not spec_axes(entries[1]) and not spec_axes(entries[2])
-          and all(a in mesh.shape for a in axes)
-          and shape[0] % math.prod(mesh.shape[a] for a in axes) == 0)
+  count, rows, cols = (spec_axes(e) for e in entries[:3])
+  axes = count + rows + cols
+  if not count or len(set(axes)) != len(axes) or not all(a in mesh.shape for a in axes):
+    return False
+  size = lambda group: math.prod(mesh.shape[a] for a in group)
+  per_block = shape[0] // size(count)
+  return (shape[0] % size(count) == 0 and per_block % (size(rows) * size(cols)) == 0
+          and shape[1] % size(rows) == 0 and shape[2] % size(cols) == 0)
