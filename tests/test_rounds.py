@@ -7,7 +7,14 @@ from sharded_case import FLOPS_ALONE
 
 import muon_optax as mo
 from muon_optax._newton_schulz.variant import newton_schulz_flops, newton_schulz_plan
-from muon_optax._sharded_ns.rounds import SPLIT_TOLERANCE, Round, per_device_flops, placed, plan_rounds
+from muon_optax._sharded_ns.rounds import (
+  SPLIT_TOLERANCE,
+  Round,
+  per_device_flops,
+  placed,
+  plan_rounds,
+  whole_flops,
+)
 from muon_optax._sharded_ns.split_cost import memory_budget, split_collectives, working_set
 
 NS = mo.NewtonSchulz()
@@ -62,6 +69,16 @@ def test_full_rounds_stay_whole_and_the_rest_is_split_to_fill_the_devices():
   assert all(None not in r.slots for r in rounds)
   flops = per_device_flops([(12, 64, 256)], 8, flops_per_byte=0)
   assert flops == pytest.approx(ideal([(12, 64, 256)], 8), rel=1e-6)
+
+
+def test_work_each_device_has_already_leaves_the_rest_whole():
+  # The same 12 beside owned stacks whose work is 16 of these matrices a device: the 4
+  # left whole in a partial round make the plan 18 matrices' time against an ideal of
+  # 17.5, within tolerance, so no split pays its collectives for that.
+  base = 16 * whole_flops(64, 256, mo.NewtonSchulz())
+  rounds = plan_rounds([(12, 64, 256)], 8, flops_per_byte=0, base=base)
+  assert [r.split for r in rounds] == [1, 1]
+  assert [r.slots.count(None) for r in rounds] == [0, 4]
 
 
 def test_rounds_of_different_splits_fill_the_devices():

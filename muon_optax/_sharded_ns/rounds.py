@@ -113,7 +113,7 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
                 split_ok: Optional[SplitOk] = None, groups: Optional[tuple[int, ...]] = None,
                 col_shards: Optional[list[int]] = None,
                 flops_per_byte: float = FLOPS_PER_BYTE,
-                budget: Optional[float] = None) -> list[Round]:
+                budget: Optional[float] = None, base: float = 0.0) -> list[Round]:
   """Deals the matrices of stacks with shapes (count, rows, cols) over `devices`.
 
   Each shape group runs in rounds of its own shape (no padding to another shape): whole
@@ -128,7 +128,9 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   powers of two); `col_shards[i]` is the number of column shards stack i lies in
   (default 1), which pads its column parts (`padded_cols`). With a `budget` (float32
   elements), every matrix of a shape whose `working_set` whole exceeds it is split,
-  over the fewest devices that fit it (at least), whatever its flops.
+  over the fewest devices that fit it (at least), whatever its flops. `base`: the flops
+  every device runs besides these matrices (stacks orthogonalized where they lie), which
+  the plan's time and its ideal both include: splits pay only against the whole.
   """
   flops_per_byte /= matmul_passes(ns)
   split_ok = split_ok or (lambda item, g: True)
@@ -136,7 +138,7 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   col_shards = col_shards or [1] * len(shapes)
   by_shape = _by_shape(shapes)
   # Largest shapes first: their rounds come first in the exchange buffers.
-  order = sorted(by_shape, key=lambda shape: -_flops(*shape, ns))
+  order = sorted(by_shape, key=lambda shape: -whole_flops(*shape, ns))
   least = {shape: _least_split(items, *shape, devices, split_ok, groups, budget)
            for shape, items in by_shape.items()}
   # A shape that must be split is all rest: none of its matrices runs whole.
@@ -151,12 +153,13 @@ def plan_rounds(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
                                                 g, ns) for g in splits)
   # What a shape's ladder saves in flops against one round of whole matrices, less what
   # its traffic and its collectives' fixed cost cost.
-  saving = {shape: _flops(*shape, ns) - _ladder_cost(ladder[shape], *shape, ns, shards[shape],
+  saving = {shape: whole_flops(*shape, ns) - _ladder_cost(ladder[shape], *shape, ns, shards[shape],
                                                      flops_per_byte) for shape in ladder}
   forced = {shape for shape in ladder if least[shape] > 1}
   splits = {shape: ladder[shape] if shape in forced else (1,) for shape in ladder}
-  ideal = sum(len(items) * _flops(*shape, ns) for shape, items in by_shape.items()) / devices
-  total = sum(len(by_shape[shape]) // devices * _flops(*shape, ns) for shape in order
+  ideal = base + sum(len(items) * whole_flops(*shape, ns)
+                     for shape, items in by_shape.items()) / devices
+  total = base + sum(len(by_shape[shape]) // devices * whole_flops(*shape, ns) for shape in order
               if shape not in forced)
   total += sum(flops(shape, splits[shape]) for shape in ladder)
   for shape in sorted(set(ladder) - forced, key=saving.get, reverse=True):
@@ -214,7 +217,7 @@ def placed(rounds: list[Round], devices: int) -> list[Round]:
   return out
 
 
-def _flops(rows: int, cols: int, ns: NewtonSchulz) -> int:
+def whole_flops(rows: int, cols: int, ns: NewtonSchulz) -> int:
   """A whole matrix's flops as `split_flops` counts them: with whole products."""
   return newton_schulz_plan((rows, cols), ns, symmetric=False).flops
 
@@ -235,7 +238,7 @@ def per_device_flops(shapes: list[tuple[int, int, int]], devices: int,
 def _round_flops(r: Round, col_shards: list[int], ns: NewtonSchulz) -> int:
   """The Newton–Schulz flops a device runs in round r."""
   if r.split == 1:
-    return _flops(r.rows, r.cols, ns)
+    return whole_flops(r.rows, r.cols, ns)
   shards = max(col_shards[item[0]] for item in r.slots if item is not None)
   return split_flops(r.rows, padded_cols(r.cols, shards, r.split), r.split, ns)
 
@@ -258,7 +261,7 @@ def device_plan(shapes: list[tuple[int, int, int]], devices: int, ns: NewtonSchu
   budget = memory_budget(shapes, devices, memory)
   rounds = plan_rounds(shapes, devices, ns, None, groups, col_shards, flops_per_byte, budget)
   flops = sum(_round_flops(r, col_shards, ns) for r in rounds)
-  ideal = sum(count * _flops(rows, cols, ns) for count, rows, cols in shapes) / devices
+  ideal = sum(count * whole_flops(rows, cols, ns) for count, rows, cols in shapes) / devices
   return MeshPlan(tuple((r.rows, r.cols, r.split) for r in rounds), flops, ideal)
 
 

@@ -53,9 +53,9 @@ from muon_optax._sharded_ns.exchange_stacks import ExchangeStacks
 from muon_optax._sharded_ns.factor_mesh import FactorMesh
 from muon_optax._sharded_ns.in_place import in_place
 from muon_optax._sharded_ns.local_work import MeshKernel, solve
-from muon_optax._sharded_ns.rounds import Round, plan_rounds
+from muon_optax._sharded_ns.rounds import Round, plan_rounds, whole_flops
 from muon_optax._sharded_ns.split_cost import memory_budget
-from muon_optax._sharded_ns.stack_shards import owned, shards_of
+from muon_optax._sharded_ns.stack_shards import owned, owned_share, shards_of
 from muon_optax._util.order import after
 
 
@@ -80,19 +80,31 @@ class _Exchange(NamedTuple):
     return gathered(stacks, sent, plan) if stacks.gather else scattered(stacks, sent, plan)
 
 
-def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout):
+class OwnedWork(NamedTuple):
+  """The stacks orthogonalized where they lie, beside an exchange: the flops each device
+  runs on them, and their shapes, whose shard counts in the memory cap's."""
+
+  flops: float = 0.0
+  shapes: tuple[tuple[int, int, int], ...] = ()
+
+
+NO_OWNED_WORK = OwnedWork()
+
+
+def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout,
+             beside: OwnedWork):
   """The per-device body over all rounds, in `layout.exchanges` exchanges (None: as many
   as memory needs, `exchanges_by_need`) one after another, so that only one's buffers
-  are live at once; `layout.memory` caps one unit's
-  working set, as a multiple of these stacks' shard."""
+  are live at once; `layout.memory` caps one unit's working set, as a multiple of the
+  Muon state's shard (these stacks' and the owned ones `beside` them)."""
   def split_ok(item, g):
     i = item[0]
     return kernel.splits and (stacks.gather or stacks.outs[i].grid == stacks.ins[i].grid)
 
-  budget = memory_budget(stacks.shapes, stacks.devices, layout.memory)
+  budget = memory_budget([*stacks.shapes, *beside.shapes], stacks.devices, layout.memory)
   rounds = plan_rounds(stacks.shapes, stacks.devices, kernel.priced, split_ok,
                        stacks.fmesh.groups(), [shards.grid[1] for shards in stacks.ins],
-                       layout.flops_per_byte, budget)
+                       layout.flops_per_byte, budget, beside.flops)
   exchange = _Exchange(stacks, kernel, budget)
   count = layout.exchanges or exchanges_by_need(rounds, stacks.ins, stacks.outs, stacks.gather,
                                                 budget, kernel.priced)
@@ -109,17 +121,23 @@ def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout):
   return lower
 
 
-def _exchanged(kernel: Kernel, layout: MeshLayout, arrays, specs, out_specs):
+def _exchanged(kernel: Kernel, layout: MeshLayout, arrays, specs, out_specs,
+               beside: OwnedWork = NO_OWNED_WORK):
   """The exchange of `arrays` (lying in `specs`, over the layout's mesh) as a shard_map
   over the factor mesh, its results laid out in `out_specs` (or replicated). Owned stacks
-  stay where they are."""
+  stay where they are, and the rest is dealt around their work (`beside`)."""
   fmesh = FactorMesh.of(layout.mesh)
   mine = [owned(spec, tuple(x.shape), layout.mesh) for x, spec in zip(arrays, specs)]
   if any(mine):
     wanted = out_specs or [None] * len(arrays)
     rest = [k for k, m in enumerate(mine) if not m]
+    beside = OwnedWork(
+        sum(owned_share(spec, tuple(x.shape), layout.mesh)
+            * whole_flops(*x.shape[1:], kernel.priced)
+            for x, spec, m in zip(arrays, specs, mine) if m),
+        tuple(tuple(x.shape) for x, m in zip(arrays, mine) if m))
     moved = iter(_exchanged(kernel, layout, [arrays[k] for k in rest], [specs[k] for k in rest],
-                            None if out_specs is None else [out_specs[k] for k in rest])
+                            None if out_specs is None else [out_specs[k] for k in rest], beside)
                  if rest else [])
     return [in_place(kernel.whole, fmesh, x, spec, out) if m else next(moved)
             for x, spec, out, m in zip(arrays, specs, wanted, mine)]
@@ -132,7 +150,7 @@ def _exchanged(kernel: Kernel, layout: MeshLayout, arrays, specs, out_specs):
           [shards_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
            for spec, shape in zip(out_specs, shapes)])
   stacks = ExchangeStacks.of(fmesh, shapes, [s.dtype for s in arrays], ins, outs, gather)
-  lower = _lowered(stacks, MeshKernel(kernel, fmesh), layout)
+  lower = _lowered(stacks, MeshKernel(kernel, fmesh), layout, beside)
   body = shard_mapped(lambda *xs: tuple(lower(list(xs))), fmesh.mesh,
                       tuple(shards.spec for shards in ins), tuple(shards.spec for shards in outs))
   return list(body(*arrays))

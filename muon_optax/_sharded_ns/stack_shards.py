@@ -78,3 +78,10 @@ def owned(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
   per_block = shape[0] // size(count)
   return (shape[0] % size(count) == 0 and per_block % (size(rows) * size(cols)) == 0
           and shape[1] % size(rows) == 0 and shape[2] % size(cols) == 0)
+
+
+def owned_share(spec: P, shape: tuple[int, ...], mesh: Mesh) -> int:
+  """How many matrices of an `owned` stack each device orthogonalizes."""
+  entries = list(spec) + [None] * 3
+  axes = [a for e in entries[:3] for a in spec_axes(e)]
+  return shape[0] // math.prod(mesh.shape[a] for a in axes)
