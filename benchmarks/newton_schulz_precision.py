@@ -10,7 +10,8 @@ preset, on four classes of inputs (`--count` matrices each):
 - gpt: gradients and their Nesterov momenta (β = 0.95) of the workload GPT's hidden
   matrices (2×64), captured while `mo.muon` trains it, regenerated deterministically;
 prints the polar error ‖NS(G) − U Vᵀ‖_F / ‖U Vᵀ‖_F against a float64 SVD (mean and
-max over the matrices) and the smallest and largest singular value after the iteration.
+max over the matrices) and the smallest and largest singular value after the iteration,
+and how many matrices diverged (overflowed), whose figures are left out of the others.
 `--mode flops`: XLA's compiled flops of each setting on one matrix of Llama-3-8B's
 shapes, on this CPU and from the TPU compiler (v5p, offline), and the bfloat16 passes
 per flop as the planner prices them. `--mode time`: min and median seconds of N interleaved calls
@@ -112,11 +113,19 @@ def polar_of(x: np.ndarray) -> np.ndarray:
 def measure(x: np.ndarray, polar: np.ndarray, ns: mo.NewtonSchulz) -> dict[str, float]:
   out = np.asarray(jax.jit(lambda a: mo.newton_schulz(a, ns))(jnp.asarray(x, jnp.float32)),
                    np.float64)
+  # A diverged iteration (fp8 on a steep schedule) overflows: it is counted, and the
+  # figures are those of the others.
+  finite = np.all(np.isfinite(out), axis=(-2, -1))
+  out, polar = out[finite], polar[finite]
+  if not len(out):
+    return {"diverged": int(finite.size), "err_mean": float("inf"), "err_max": float("inf"),
+            "sigma_min": float("nan"), "sigma_max": float("inf")}
   err = np.linalg.norm(out - polar, axis=(-2, -1)) / np.linalg.norm(polar, axis=(-2, -1))
   wide = out if out.shape[-2] <= out.shape[-1] else np.swapaxes(out, -1, -2)
   sigma = np.sqrt(np.clip(np.linalg.eigvalsh(wide @ np.swapaxes(wide, -1, -2)), 0, None))
-  return {"err_mean": float(err.mean()), "err_max": float(err.max()),
-          "sigma_min": float(sigma.min()), "sigma_max": float(sigma.max())}
+  return {"diverged": int(finite.size - finite.sum()), "err_mean": float(err.mean()),
+          "err_max": float(err.max()), "sigma_min": float(sigma.min()),
+          "sigma_max": float(sigma.max())}
 
 
 def tpu_flops(ns: mo.NewtonSchulz, shape: tuple[int, int]) -> float:
@@ -257,7 +266,9 @@ def table(rows: list[dict[str, Any]]) -> str:
               "σ min | σ max |", "|---" * 10 + "|"]
     for r in acc:
       _, kind, shape, preset, precision, variant = r["key"].split()
-      flag = " ⚠" if r["sigma_max"] > 1.3 else ""
+      flag = " ⚠" if r["sigma_max"] > 1.3 or r.get("diverged") else ""
+      if r.get("diverged"):
+        flag += f" ({r['diverged']} diverged)"
       lines.append(f"| {kind} | {shape} | {preset} | {precision} | {variant} | {r['count']} | "
                    f"{r['err_mean']:.4f} | {r['err_max']:.4f} | {r['sigma_min']:.3f} | "
                    f"{r['sigma_max']:.3f}{flag} |")
