@@ -17,9 +17,11 @@ import sys
 from typing import Optional
 from unittest import mock
 
+import numpy as np
 import pytest
 from _env import script_env
 
+import muon_optax as mo
 from workload import stdlib_text
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -213,6 +215,17 @@ def test_newton_schulz_precision_fills_every_cell_and_resumes(tmp_path, capsys):
   # Resumable: a second run adds nothing.
   bench.main([*argv, "--mode", "accuracy"])
   assert len((tmp_path / "p.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_newton_schulz_precision_counts_diverged_matrices_apart():
+  from benchmarks.newton_schulz_precision import measure, polar_of
+  x = np.random.default_rng(0).standard_normal((3, 8, 24))
+  polar = polar_of(x)
+  x[1, 0, 0] = np.inf  # its iteration overflows
+  row = measure(x, polar, mo.NewtonSchulz("jordan"))
+  assert row["diverged"] == 1
+  kept = measure(x[[0, 2]], polar[[0, 2]], mo.NewtonSchulz("jordan"))
+  assert row == {**kept, "diverged": 1}
 
 
 def test_adam_backends_times_every_backend(tmp_path, capsys):
