@@ -121,7 +121,6 @@ def make_mesh(devices: Sequence[Any], layout: str, cfg) -> Any:
 def optimizer(arm: str, routing: Any, mesh_layout: Any, ns: Any = "turbo") -> Any:
   """`arm` after `optax.clip_by_global_norm(1.0)`; Muon arms routed by `routing` (a
   `mo.Routing`), dealt over `mesh_layout` (None: one device), Newton–Schulz by `ns`."""
-  import jax
   import optax
 
   import muon_optax as mo
@@ -138,13 +137,27 @@ def optimizer(arm: str, routing: Any, mesh_layout: Any, ns: Any = "turbo") -> An
                    adam=adam)
     tx = at_step(bp, 1 if arm == "muonbp block step" else 0)
   elif arm == "optax.contrib.muon":
-    dims = optax.contrib.MuonDimensionNumbers
-    tx = optax.contrib.muon(0.02, adam_learning_rate=3e-4, muon_weight_dimension_numbers=(
-        lambda p: jax.tree.map(lambda label: dims() if label == "muon" else None,
-                               routing.labels(p))))
+    tx = optax.contrib.muon(0.02, adam_learning_rate=3e-4,
+                            muon_weight_dimension_numbers=lambda p: contrib_dims(p, routing))
   else:
     raise ValueError(f"arm {arm!r}: choose one of {list(ARMS)}.")
   return optax.chain(optax.clip_by_global_norm(1.0), tx)
+
+
+def contrib_dims(params: Any, routing: Any) -> Any:
+  """optax.contrib.muon's weight dimension numbers for `params`: each Muon leaf's matrix
+  view from `routing` (a scanned kernel's layer axis is a batch axis), None elsewhere."""
+  import jax
+  import numpy as np
+  import optax
+  dims = []
+  for path, x, decision in routing.decide(params):
+    view = decision.view
+    if view is not None and view.blocks > 1:
+      raise ValueError(f"{path}: optax.contrib.muon cannot split a fused fan-out into blocks.")
+    dims.append(None if view is None else optax.contrib.MuonDimensionNumbers(
+        *view.normalize(np.ndim(x))[1:3]))
+  return jax.tree.unflatten(jax.tree.structure(params), dims)
 
 
 @dataclasses.dataclass(frozen=True)

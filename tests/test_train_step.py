@@ -69,3 +69,18 @@ def test_muon_step_adds_only_its_exchange(tiny):
   total = lambda c: sum(n for n, _ in c["step"].values())
   assert count(step["muon"]["optimizer"], "all-to-all") > 0
   assert total(step["muon"]) <= total(step["optax.adamw"]) + exchange
+
+
+def test_the_contrib_arm_orthogonalizes_each_layer_of_a_scanned_kernel(tiny):
+  """optax.contrib.muon, told the routing's views, sees a scanned (layers, d, ffn) kernel
+  as one matrix per layer: each layer's update has the singular values Jordan's 5 steps
+  leave on a Gaussian matrix (within [0.68, 1.13] of their mean scale, ratio ≤ 1.7)."""
+  s = train_step.setup(tiny, None, None, "optax.contrib.muon", BATCH, SEQ,
+                       init_params(tiny, BATCH, SEQ))
+  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(3), x.shape), s.params)
+  updates, _ = s.tx.update(grads, s.state, s.params)
+  kernel = np.asarray(updates["layers"]["mlp"]["up"]["kernel"], np.float64)
+  assert kernel.ndim == 3
+  for layer in kernel:
+    sigma = np.linalg.svd(layer, compute_uv=False)
+    assert sigma.max() / sigma.min() <= 1.7, sigma
