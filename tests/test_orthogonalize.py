@@ -105,3 +105,27 @@ def test_mesh_plan_reports_the_rounds_and_flops_a_mesh_runs():
   assert {split for *_, split in capped.rounds} == {8}
   # Non-Muon leaves (a bias) and the routing's views are read as `muon` reads them.
   assert mo.mesh_plan({**params, "b": jnp.ones(64)}, 8) == plan
+
+
+def mesh_update_flops(mesh, shape=(8, 512, 1024)):
+  """Per-device compiled flops of orthogonalizing an FSDP-split stack of `shape` over
+  the 8 devices of `mesh`: one whole matrix each."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P(None, None, "data")))
+  tx = mo.orthogonalize(mesh=mo.MeshLayout(mesh, params="sharded"))
+  lowered = jax.jit(lambda u: tx.update({"w": u}, optax.EmptyState(), {"w": u})[0]).lower(x)
+  return lowered.compile().cost_analysis()["flops"]
+
+
+def test_a_cpu_mesh_forms_symmetric_products_in_block_rows():
+  # One device's products, block rows included: on this CPU they hold less memory than
+  # whole ones (tests/test_symmetric.py), so a CPU mesh keeps their lower flops.
+  mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+  ns = mo.NewtonSchulz().on("cpu")
+  symmetric = mo.newton_schulz_plan((512, 1024), ns, backend="cpu").flops
+  whole = mo.newton_schulz_plan((512, 1024), ns, backend="cpu", symmetric=False).flops
+  assert symmetric < 0.9 * whole
+  # The compiled count adds the elementwise work and the block rows' ties, a few
+  # flops an element per step.
+  assert symmetric <= mesh_update_flops(mesh) <= 1.02 * symmetric

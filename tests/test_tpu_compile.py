@@ -199,3 +199,14 @@ def test_exchange_buffers_are_read_where_the_collectives_write_them(chips, kind)
   text = compile_update(mo.muon(0.02, mesh=layout), gpt_tree(d=256), mesh, kind).as_text()
   assert "all-to-all(" in text
   assert _relaid_collective_outputs(text) == []
+
+
+def test_a_tpu_mesh_forms_its_products_whole(chips):
+  # Block rows' slices and joins cost a TPU more HBM traffic than their flops save
+  # (benchmarks/results/mesh_products.txt): its mesh forms every product whole.
+  from test_orthogonalize import mesh_update_flops
+  mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
+  ns = mo.NewtonSchulz().on("tpu")
+  whole = mo.newton_schulz_plan((512, 1024), ns, backend="tpu", symmetric=False).flops
+  assert mo.newton_schulz_plan((512, 1024), ns, backend="tpu").flops < 0.9 * whole
+  assert whole <= mesh_update_flops(mesh) <= 1.02 * whole

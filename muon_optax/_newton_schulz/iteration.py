@@ -297,9 +297,9 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
 
 
 def newton_schulz_whole_products(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
-  """`newton_schulz` with every product formed whole, as a mesh runs it: a symmetric
-  product's block rows read copies of their operands' rows, which at pod scale hold
-  more memory than the planner's cap allows for (`working_set` counts whole products)."""
+  """`newton_schulz` with every product formed whole, as a TPU mesh runs it
+  (`symmetric.MESH_WHOLE_PRODUCTS_ON`): there a symmetric product's block rows cost
+  more HBM traffic and memory than their flops save."""
   return _newton_schulz(x, as_newton_schulz(ns), whole_rows(blocks=1))
 
 

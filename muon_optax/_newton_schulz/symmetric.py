@@ -17,6 +17,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from muon_optax._util.order import after
+
 # Block rows of at least this many rows, so that each strip stays a large product; a
 # matrix under twice this size is computed whole. Not yet timed on an idle machine: the
 # busy runs in benchmarks/results/newton_schulz_symmetric.txt hint that strips of 96
@@ -30,6 +32,12 @@ MAX_BLOCKS = 8
 # (benchmarks/results/accelerator_h200.txt against its first run), as narrow strips
 # fill few of its multiprocessors.
 WHOLE_PRODUCTS_ON = ("gpu",)
+# Platforms whose meshes form every product whole, one device there keeping the block
+# rows: on a TPU v5p mesh the block rows' slices and joins cost more HBM traffic than
+# their flops save, and raised Llama-3-8B's whole step over AdamW's peak memory; this
+# CPU's compiler holds less memory with them than with whole products
+# (benchmarks/results/mesh_products.txt).
+MESH_WHOLE_PRODUCTS_ON = ("tpu",)
 
 
 def block_count(m: int, backend: Optional[str] = None) -> int:
@@ -63,9 +71,10 @@ def symmetric_product(a: jax.Array, b: jax.Array,
   """`matmul(a, b)` for (..., m, k) `a` and (..., k, m) `b` whose product is symmetric
   (the caller knows: X Xᵀ, or two commuting symmetric matrices), from its upper block
   triangle in (at most) `blocks` block rows, default `block_count`. Each block row is
-  `matmul` of a's rows and b's columns from the diagonal on; its blocks left of the
-  diagonal are the transposes of those above it (exactly symmetric; the diagonal
-  blocks, computed whole, as symmetric as a whole product's)."""
+  `matmul` of a's rows and b's columns from the diagonal on, one after another, so that
+  one block row's copies of them are live at a time; its blocks left of the diagonal are
+  the transposes of those above it (exactly symmetric; the diagonal blocks, computed
+  whole, as symmetric as a whole product's)."""
   m = a.shape[-2]
   if b.shape[-1] != m:
     raise ValueError(f"a symmetric product is square: a has {m} rows, b {b.shape[-1]} columns")
@@ -73,8 +82,9 @@ def symmetric_product(a: jax.Array, b: jax.Array,
   if len(cuts) == 2:
     return matmul(a, b)
   spans = list(zip(cuts[:-1], cuts[1:]))
-  # strips[i] = C[c_i:c_{i+1}, c_i:], the block row from its diagonal block on.
-  strips = [matmul(a[..., start:stop, :], b[..., :, start:]) for start, stop in spans]
+  strips = []  # strips[i] = C[c_i:c_{i+1}, c_i:], the block row from its diagonal block on
+  for start, stop in spans:
+    strips.append(matmul(*after((a[..., start:stop, :], b[..., :, start:]), strips[-1:])))
   rows = []
   for i, (start, stop) in enumerate(spans):
     left = [jnp.swapaxes(strips[j][..., :, start - cuts[j]:stop - cuts[j]], -1, -2)
