@@ -13,7 +13,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, Kernel, as_newton_schulz
-from muon_optax._newton_schulz.symmetric import MESH_WHOLE_PRODUCTS_ON
 from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE, MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import explicit_spec, split_first, stack_spec
 from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, from_wide, to_wide
@@ -138,9 +137,8 @@ def solver_for(ns: NS, mesh: Union[Mesh, MeshLayout, None],
   ns, layout = as_newton_schulz(ns), as_mesh_layout(mesh)
   if layout is not None and ns.fn is None:  # the defaults of the platform it runs on
     ns = ns.on(layout.platform)
-  # A custom function sees whole matrices only; a TPU mesh forms whole products.
-  kernel = Kernel.of(ns, whole_products=layout is not None
-                     and layout.platform in MESH_WHOLE_PRODUCTS_ON)
+  # A custom function sees whole matrices only; a mesh forms whole products.
+  kernel = Kernel.of(ns, whole_products=layout is not None)
   if around is not None:
     kernel = kernel.around(around)
   return Solver(grouped_solver(kernel.whole)) if layout is None else mesh_solver(kernel, layout)

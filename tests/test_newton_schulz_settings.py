@@ -131,10 +131,10 @@ def test_a_kernel_carries_one_newton_schulz_whole():
   np.testing.assert_array_equal(wrapped.whole(x), 3 * mo.newton_schulz(x, ns))
 
 
-def test_a_whole_products_kernel_forms_its_products_whole():
-  # A TPU mesh's kernel forms every product whole, at the flops the planner prices
+def test_a_mesh_kernel_forms_its_products_whole():
+  # A mesh's kernel forms every product whole, at the flops the planner prices
   # (`newton_schulz_plan(symmetric=False)`), and equals the symmetric result to float32
-  # rounding; elsewhere the kernel keeps the cheaper symmetric products.
+  # rounding; one device keeps the cheaper symmetric products.
   ns = mo.NewtonSchulz(compute_dtype="float32", gram=False)
   x = jax.random.normal(jax.random.key(0), (1, 1024, 2048))
   flops = lambda fn: jax.jit(fn).lower(x).compile().cost_analysis()["flops"]

@@ -203,7 +203,7 @@ def test_exchange_buffers_are_read_where_the_collectives_write_them(chips, kind)
 
 def test_a_tpu_mesh_forms_its_products_whole(chips):
   # Block rows' slices and joins cost a TPU more HBM traffic than their flops save
-  # (benchmarks/results/mesh_products.txt): its mesh forms every product whole.
+  # (benchmarks/results/mesh_products.txt): a mesh forms every product whole.
   from test_orthogonalize import mesh_update_flops
   mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
   ns = mo.NewtonSchulz().on("tpu")

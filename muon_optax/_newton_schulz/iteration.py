@@ -297,9 +297,10 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
 
 
 def newton_schulz_whole_products(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
-  """`newton_schulz` with every product formed whole, as a TPU mesh runs it
-  (`symmetric.MESH_WHOLE_PRODUCTS_ON`): there a symmetric product's block rows cost
-  more HBM traffic and memory than their flops save."""
+  """`newton_schulz` with every product formed whole, as a mesh runs it: on TPU chips a
+  symmetric product's block rows cost more HBM traffic and memory than their flops
+  save, and on a CPU mesh, where each round of matrices is its own call, they multiply
+  the compile time (benchmarks/results/mesh_products.txt)."""
   return _newton_schulz(x, as_newton_schulz(ns), whole_rows(blocks=1))
 
 

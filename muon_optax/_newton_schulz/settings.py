@@ -314,8 +314,8 @@ class Kernel:
   @classmethod
   def of(cls, ns: NewtonSchulz, whole_products: bool = False) -> Kernel:
     """The built-in iteration with `ns`'s settings, or `ns.fn` on whole matrices only;
-    `whole_products`: every product formed whole, as a TPU mesh forms them
-    (`newton_schulz_whole_products`, `symmetric.MESH_WHOLE_PRODUCTS_ON`)."""
+    `whole_products`: every product formed whole, as a mesh forms them
+    (`newton_schulz_whole_products`)."""
     if ns.fn is not None:
       return cls(ns.fn, None, CUSTOM_FN_PRICE)
     # The iteration imports these settings: bound here, when a kernel is built.

@@ -32,12 +32,6 @@ MAX_BLOCKS = 8
 # (benchmarks/results/accelerator_h200.txt against its first run), as narrow strips
 # fill few of its multiprocessors.
 WHOLE_PRODUCTS_ON = ("gpu",)
-# Platforms whose meshes form every product whole, one device there keeping the block
-# rows: on a TPU v5p mesh the block rows' slices and joins cost more HBM traffic than
-# their flops save, and raised Llama-3-8B's whole step over AdamW's peak memory; this
-# CPU's compiler holds less memory with them than with whole products
-# (benchmarks/results/mesh_products.txt).
-MESH_WHOLE_PRODUCTS_ON = ("tpu",)
 
 
 def block_count(m: int, backend: Optional[str] = None) -> int:
