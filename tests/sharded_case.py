@@ -95,3 +95,15 @@ def compiled_update(tx, params, mesh=None, kind="zero1"):
   else:
     state, step = jax.eval_shape(tx.init, params), jax.jit(tx.update)
   return step.lower(params, state, params).compile()
+
+
+def compiled_update_text(tx, params, layout, pshard):
+  """The compiled program of `tx.update` with params laid out as `pshard` and the state as
+  `state_shardings` lays it out beside them (`layout`), abstract: nothing runs."""
+  abstract = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
+                          params, pshard)
+  sshard = mo.state_shardings(tx, abstract, layout)
+  state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                       jax.eval_shape(tx.init, abstract), sshard)
+  return jax.jit(tx.update, out_shardings=(pshard, sshard)).lower(
+      abstract, state, abstract).compile().as_text()

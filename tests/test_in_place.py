@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from sharded_case import (
   AUTO,
   EXPLICIT,
+  compiled_update_text,
   mesh_of,
   optimizer,
   param_shardings,
@@ -98,13 +99,7 @@ def test_scanned_experts_split_on_their_expert_axis_stay_on_their_devices(types,
   for got, want in [(got_p, want_p), (got_s, want_s)]:
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert rel(np.asarray(g).reshape(1, -1), np.asarray(w).reshape(1, -1)) <= tolerance
-  abstract = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
-                          params, pshard)
-  sshard = mo.state_shardings(tx, abstract, layout)
-  state = jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
-                       jax.eval_shape(tx.init, abstract), sshard)
-  text = jax.jit(tx.update, out_shardings=(pshard, sshard)).lower(abstract, state,
-                                                                  abstract).compile().as_text()
+  text = compiled_update_text(tx, params, layout, pshard)
   moved = [(op, group) for op, group, _, _ in collective_ops(text)]
   # Only all-to-alls, in and out, each among one expert's 2 devices.
   assert moved == [("all-to-all", 2)] * swaps, moved
@@ -129,11 +124,5 @@ def test_the_rest_is_dealt_around_the_work_of_owned_stacks():
   got_p, _ = run_steps(tx, params, 2, (mesh, pshard))
   for g, w in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
     assert rel(np.asarray(g).reshape(1, -1), np.asarray(w).reshape(1, -1)) <= 4 * float32_bound()
-  abstract = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
-                          params, pshard)
-  sshard = mo.state_shardings(tx, abstract, layout)
-  state = jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
-                       jax.eval_shape(tx.init, abstract), sshard)
-  text = jax.jit(tx.update, out_shardings=(pshard, sshard)).lower(abstract, state,
-                                                                  abstract).compile().as_text()
+  text = compiled_update_text(tx, params, layout, pshard)
   assert {op for op, _, _, _ in collective_ops(text)} == {"all-to-all"}

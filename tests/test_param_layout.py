@@ -12,6 +12,7 @@ import pytest
 from _helpers import float32_bound, rel
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from sharded_case import compiled_update_text
 
 import muon_optax as mo
 from benchmarks.common import (
@@ -80,13 +81,7 @@ def stated(kind, types, params, exchanges=1):
 
 def collectives(tx, params, layout, pshard):
   """{collective: count} of the compiled update, state laid out by `state_shardings`."""
-  abstract = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
-                          params, pshard)
-  sshard = mo.state_shardings(tx, abstract, layout)
-  state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
-                       jax.eval_shape(tx.init, abstract), sshard)
-  text = jax.jit(tx.update, out_shardings=(pshard, sshard)).lower(abstract, state,
-                                                                  abstract).compile().as_text()
+  text = compiled_update_text(tx, params, layout, pshard)
   return {k: n for k, (n, _) in collective_stats(text).items() if n}
 
 
