@@ -19,7 +19,6 @@ from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
 from muon_optax._orthogonalize import grouped_solver, orthogonalize
 from muon_optax._placement.mesh_layout import EXCHANGES, MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import (
-  data_spec,
   divided_axis,
   explicit_spec,
   reshard_to,
@@ -127,11 +126,12 @@ def _blocks_here(xs, leaf_views, blocks: BlockPeriodic, solve) -> list:
   return out
 
 
-def _blocks_on_mesh(xs, leaf_views, blocks: BlockPeriodic, solve, layout: MeshLayout) -> list:
+def _blocks_on_mesh(xs, leaf_views, paths, blocks: BlockPeriodic, solve,
+                    layout: MeshLayout) -> list:
   """A mesh: each device orthogonalizes its own block of each leaf in a shard_map (no
-  collective), RMS-matched and scaled; results lie as the state does."""
-  specs = [explicit_spec(x) or data_spec(tuple(x.shape), layout.mesh, layout.data_axis)
-           for x in xs]
+  collective), RMS-matched and scaled; results lie as the state does (`MeshLayout.lies`:
+  on an Auto mesh, beside the params' stated layout)."""
+  specs = [layout.lies(x, path) for x, path in zip(xs, paths)]
 
   def local(*ys):
     ortho = _orthogonalize_each(list(ys), leaf_views, solve)
@@ -211,8 +211,8 @@ def orthogonalize_blocks(
     # Results go where the full step puts them: laid out like the params on an Explicit
     # mesh (the two branches of the cond must agree), else as the state lies.
     likes = leaves.pick_like(params) or xs
-    return leaves.put([reshard_to(r, explicit_spec(like)) for r, like in
-                       zip(_blocks_on_mesh(xs, leaf_views, blocks, solve, layout), likes)])
+    results = _blocks_on_mesh(xs, leaf_views, leaves.paths, blocks, solve, layout)
+    return leaves.put([reshard_to(r, explicit_spec(like)) for r, like in zip(results, likes)])
 
   def update_fn(updates, state, params=None):
     whole = lambda u: full.update(u, optax.EmptyState(), params)[0]
@@ -223,6 +223,10 @@ def orthogonalize_blocks(
       out = (whole if int(state.count) % period == 0 else blockwise)(updates)
     return out, BlockPeriodicState(optax.safe_increment(state.count))
 
-  return optax.GradientTransformation(
-      lambda params: BlockPeriodicState(jnp.zeros([], jnp.int32)), update_fn)
+  def init_fn(params):
+    if layout is not None:  # concrete params show their layout (MeshLayout.at_init)
+      layout.at_init(params)
+    return BlockPeriodicState(jnp.zeros([], jnp.int32))
+
+  return optax.GradientTransformation(init_fn, update_fn)
 

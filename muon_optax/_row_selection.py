@@ -22,7 +22,6 @@ from muon_optax._newton_schulz.settings import DEFAULT_NS, NS
 from muon_optax._orthogonalize import solver_for
 from muon_optax._placement.mesh_layout import MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import (
-  data_spec,
   divided_axis,
   explicit_spec,
   reshard_to,
@@ -213,8 +212,8 @@ def select_rows(
     else:
       # Groups where the devices split the leading fan-out axis (each holds whole neurons);
       # elsewhere one, whose selection needs only the norms gathered, not the matrix.
-      kinds = [_groups_of(b, view, groups, choice_layout)
-               for b, view in zip(buffers, leaf_views)]
+      kinds = [_groups_of(b, view, path, groups, choice_layout)
+               for b, view, path in zip(buffers, leaf_views, leaves.paths)]
       results = _per_shard(stacks, kinds, select, solver.solve, choice_layout)
     out, new_buffers = [], []
     for result, g, b, view, path in zip(results, grads, buffers, leaf_views, leaves.paths):
@@ -237,12 +236,9 @@ def _as_state(new: jax.Array, old: jax.Array, path: str,
   compile again for the next."""
   if layout is None:
     return new
-  spec = explicit_spec(old)
-  if spec is not None:
-    return reshard_to(new, spec)
-  shape = tuple(old.shape)
-  spec = layout.state_spec(shape, layout.param_spec(path, shape))
-  return jax.lax.with_sharding_constraint(new, NamedSharding(layout.mesh, spec))
+  if explicit_spec(old) is not None:
+    return reshard_to(new, explicit_spec(old))
+  return jax.lax.with_sharding_constraint(new, NamedSharding(layout.mesh, layout.lies(old, path)))
 
 
 def _select_and_orthogonalize(stack: jax.Array, *, select: RowSelection, ns_fn) -> jax.Array:
@@ -267,11 +263,12 @@ class _Groups(NamedTuple):
   spec: P
 
 
-def _groups_of(x, view: MatrixView, groups: int, layout: Optional[MeshLayout]) -> _Groups:
-  """The `_Groups` of the stack of state leaf `x`: `groups` where the devices split its
-  leading fan-out axis (each holds whole neurons: the data axes go there, see
-  `state_shardings`), else 1. Its layout: on an Explicit mesh the type's, else
-  `state_shardings`'s."""
+def _groups_of(x, view: MatrixView, path: str, groups: int,
+               layout: Optional[MeshLayout]) -> _Groups:
+  """The `_Groups` of the stack of state leaf `x` (beside the parameter at `path`):
+  `groups` where the devices split its leading fan-out axis (each holds whole neurons:
+  the data axes go there, see `state_shardings`), else 1. Its layout: where the leaf
+  lies (`MeshLayout.lies`)."""
   shape, view = tuple(x.shape), view.normalize(x.ndim)
   n = groups if divided_axis(shape, groups) == view.fan_out[0] else 1
   if layout is None:  # nothing is laid out
@@ -279,9 +276,7 @@ def _groups_of(x, view: MatrixView, groups: int, layout: Optional[MeshLayout]) -
   if n > 1:
     data = layout.data_axis
     return _Groups(n, P(None, None, data[0] if len(data) == 1 else data))
-  spec = explicit_spec(x)
-  spec = data_spec(shape, layout.mesh, layout.data_axis) if spec is None else spec
-  spec = stack_spec(spec, (view.batch, view.fan_in, view.fan_out), False)
+  spec = stack_spec(layout.lies(x, path), (view.batch, view.fan_in, view.fan_out), False)
   return _Groups(1, P(*(list(spec) + [None] * 3)[:2], None))
 
 

@@ -32,3 +32,19 @@ def test_mesh_layout_is_checked_when_built():
   with pytest.raises(ValueError, match="mesh= takes a jax.sharding.Mesh or a muon_optax.MeshLayout"):
     mo.muon(0.02, mesh="data")
 
+
+
+def test_a_state_leaf_lies_as_its_type_or_the_stated_layout_says():
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  shape = (16, 48)
+  auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  stated = mo.MeshLayout(auto, params={"fc": P(None, "model")})
+  leaf = jax.ShapeDtypeStruct(shape, "float32")
+  # Auto axes: beside the stated column-parallel kernel, the data axis on the free rows.
+  assert stated.lies(leaf, "fc") == P("data", "model")
+  assert mo.MeshLayout(auto, params="replicated").lies(leaf, "fc") == P(None, "data")
+  explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  typed = jax.ShapeDtypeStruct(shape, "float32", sharding=NamedSharding(explicit, P("model")))
+  assert mo.MeshLayout(explicit, params={"fc": P(None, "model")}).lies(typed, "fc") == \
+      P("model", None)  # the type wins

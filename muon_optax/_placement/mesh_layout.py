@@ -15,6 +15,7 @@ from muon_optax._placement.shardings import (
   add_data_axes,
   data_axes,
   data_spec,
+  explicit_spec,
   is_explicit,
   same_spec,
 )
@@ -195,6 +196,16 @@ class MeshLayout:
           f"of times the exchange's). State it: {FIX}, the shardings you pass to jax.jit.",
           stacklevel=2)
     return data_spec(shape, self.mesh, self.data_axis)
+
+  def lies(self, leaf: Any, path: str) -> P:
+    """Where the state leaf `leaf`, beside the parameter at `path`, lies: its type's
+    spec on an Explicit mesh, else as `state_shardings` lays it out beside the params'
+    layout (`param_spec`: stated, seen at init, or guessed)."""
+    spec = explicit_spec(leaf)
+    if spec is not None:
+      return spec
+    shape = tuple(leaf.shape)
+    return self.state_spec(shape, self.param_spec(path, shape))
 
   def state_spec(self, shape: tuple[int, ...], param_spec: P) -> P:
     """The layout `state_shardings` gives a state leaf of `shape` mirroring a parameter
