@@ -3,7 +3,8 @@
 Part 1, restarts: the standard iteration, the Gram-space one with the restarts
 `newton_schulz_plan` picks ("auto"), and with forced restart sets (none), (2,) and
 (2, 4) (0-based steps before which X and R = X Xᵀ are rebuilt), on Gaussian inputs and
-inputs with singular values log-spaced from 1 to 1e-6, at 5 steps; prints
+inputs with singular values log-spaced from 1 to 1e-6, for jordan and polar_express at
+5 steps and turbo (AOL scaling) at its 4; prints
 - f64 err: ‖NS(G) − p(G)‖_F / ‖p(G)‖_F with p the same polynomial in float64;
 - bound: steps · eps32 · ∏|a_k|, the a priori error of a float32 evaluation;
 - polar ratio: ‖NS(G) − U Vᵀ‖_F / ‖U Vᵀ‖_F over that of the standard float32 iteration
@@ -41,7 +42,7 @@ from benchmarks.common import (
   with_spectrum,
 )
 
-STEPS = 5
+STEPS = {"jordan": 5, "polar_express": 5, "turbo": 4}
 FORCED = [(), (2,), (2, 4)]
 
 
@@ -59,10 +60,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def reference(x, ns: mo.NewtonSchulz) -> np.ndarray:
-  """The same polynomial (Frobenius-normalized presets) evaluated in float64."""
+  """The same polynomial, with the same scaling (Frobenius or AOL), in float64."""
   x = np.asarray(x, np.float64)
   x = x.T if x.shape[0] > x.shape[1] else x
-  x = x / (np.linalg.norm(x) * ns.safety())
+  if ns.preconditioner() == "aol":
+    x = x / np.sqrt(np.abs(x @ x.T).sum(-1, keepdims=True))
+  else:
+    x = x / (np.linalg.norm(x) * ns.safety())
   for a, b, c in ns.coefficients():
     g = x @ x.T
     x = a * x + (b * g + c * g @ g) @ x
@@ -95,16 +99,16 @@ def restarts_table(shapes, dtypes) -> None:
     for name, x in (("gaussian", jax.random.normal(jax.random.key(0), shape)),
                     ("σ to 1e-6", with_spectrum(shape, 1e-6, 0))):
       polar = polar_factor(x)
-      for preset in ("jordan", "polar_express"):
-        standard = mo.NewtonSchulz(preset, steps=STEPS, gram=False, compute_dtype="float32")
+      for preset, steps in STEPS.items():
+        standard = mo.NewtonSchulz(preset, steps=steps, gram=False, compute_dtype="float32")
         exact = reference(x, standard)
-        bound = STEPS * np.finfo(np.float32).eps * np.prod(np.abs(standard.coefficients()[:, 0]))
+        bound = steps * np.finfo(np.float32).eps * np.prod(np.abs(standard.coefficients()[:, 0]))
         base = rel(mo.newton_schulz(x, standard), polar)
         for dtype in dtypes:
           arms = {"standard": (False, None), "gram (auto)": (True, None),
                   **{f"gram {r}": (True, r) for r in FORCED}}
           for label, (gram, forced) in arms.items():
-            ns = mo.NewtonSchulz(preset, steps=STEPS, gram=gram, compute_dtype=dtype)
+            ns = mo.NewtonSchulz(preset, steps=steps, gram=gram, compute_dtype=dtype)
             out = run_arm(x, ns, forced)
             if label == "gram (auto)":
               label += f" {tuple(s for s, _ in mo.newton_schulz_plan(shape, ns).segments[1:])}"
@@ -142,7 +146,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   args = parser().parse_args(argv)
   print(header("benchmarks.newton_schulz_gram", argv) + "\n")
   if not args.skip_restarts:
-    print(f"{STEPS} steps\n")
     restarts_table(parse_shapes(args.shapes), args.dtypes.split(","))
   crossover_table(args.m, [float(a) for a in args.aspects.split(",")], args.preset, args.reps)
 

@@ -1,6 +1,8 @@
 """Helpers shared by the tests: the one tree comparison with explicit tolerances, and
 the float64 references and error bounds that Newton–Schulz tolerances come from."""
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -44,6 +46,47 @@ def float32_bound(ns="turbo"):
   """
   coeffs = np.asarray(as_newton_schulz(ns).coefficients())
   return len(coeffs) * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))
+
+
+def _amplification(coeffs, sigma):
+  """sup over σ, τ in `sigma` (an image of [0, 1]) of |q[σ², τ²]| τ, with q(σ²) = p(σ) / σ
+  and p the scalar map of the steps in `coeffs`: how much a perturbation E of R = X Xᵀ
+  moves q(R) X, per unit of E (q[λ, μ] is a divided difference; Daleckii–Krein)."""
+  out = sigma
+  for a, b, c in coeffs:
+    out = a * out + b * out**3 + c * out**5
+  lam, q = sigma**2, out / sigma
+  with np.errstate(divide="ignore", invalid="ignore"):
+    diff = (q[:, None] - q[None, :]) / (lam[:, None] - lam[None, :])
+  diag = np.arange(len(lam))
+  diff[diag, diag] = np.gradient(q, lam)  # on the diagonal, the derivative
+  return np.nanmax(np.abs(diff * sigma[None, :])), out
+
+
+def gram_float32_bound(ns="turbo", shape=(64, 256)):
+  """A priori relative error of one float32 evaluation of the Gram-space iteration.
+
+  Within a segment, X_end = q(R) X with R = X Xᵀ. The rounding of step k's state (R_k,
+  relative size ~eps32) reaches the result through the rest of the segment's steps,
+  amplified by `_amplification` of them over the σ step k sees; the final Q X and each
+  restart add one rounding more. Unlike the standard iteration's bound
+  (`float32_bound`), it grows with each segment's own polynomial, not the whole ∏|a|.
+  """
+  from muon_optax._newton_schulz.variant import newton_schulz_plan
+
+  ns = as_newton_schulz(ns)
+  coeffs = np.asarray(ns.coefficients(), np.float64)
+  plan = newton_schulz_plan(shape, dataclasses.replace(ns, gram=True, compute_dtype="float32"),
+                            backend="cpu")
+  sigma, bound = np.linspace(0, 1, 801)[1:], 0.0
+  for start, stop in plan.segments:
+    for k in range(start, stop):
+      gain, _ = _amplification(coeffs[k:stop], sigma)
+      bound += gain
+      _, sigma = _amplification(coeffs[k:k + 1], sigma)
+      sigma = np.unique(np.abs(sigma))
+    bound += 1
+  return np.finfo(np.float32).eps * bound
 
 
 def compiled_flops(fn, *args) -> float:

@@ -70,13 +70,13 @@ def test_compiled_flops_square_stays_standard():
 
 def test_flop_formulas_and_automatic_rule():
   m, n = 768, 3072
-  # 5 steps, one restart before step 2: with whole products 8 m²n + 28 m³, against
-  # 20 m²n + 10 m³. At m = 768 a symmetric product (X Xᵀ, and every m×m one) is
-  # computed in 3 block rows: 2/3 of its whole flops.
+  # 5 steps, one restart before step 4 (∏|a| of 5 steps passes the gain): with whole
+  # products 8 m²n + 28 m³, against 20 m²n + 10 m³. At m = 768 a symmetric product
+  # (X Xᵀ, and every m×m one) is computed in 3 block rows: 2/3 of its whole flops.
   assert symmetric_flops(m, n) * 3 == 2 * m * m * n * 2
   jordan = NS("jordan", gram=True)
   gram = (4 * m * m * n + 28 * m**3) * 2 // 3 + 4 * m * m * n
-  assert gram_flops(m, n, segments(5)) == gram
+  assert gram_flops(m, n, segments(5, (4,))) == gram
   assert newton_schulz_flops(m, n, jordan, backend="cpu") == gram
   standard = (10 * m * m * n + 10 * m**3) * 2 // 3 + 10 * m * m * n
   assert newton_schulz_flops(m, n, NS("jordan", gram=False)) == standard
@@ -84,7 +84,7 @@ def test_flop_formulas_and_automatic_rule():
   whole = lambda ns: mo.newton_schulz_plan((m, n), ns, backend="cpu", symmetric=False).flops
   assert whole(jordan) == 8 * m * m * n + 28 * m**3
   assert whole(NS("jordan", gram=False)) == 20 * m * m * n + 10 * m**3
-  assert newton_schulz_flops(n, m, NS("jordan"), backend="cpu") == gram_flops(m, n, segments(5))
+  assert newton_schulz_flops(n, m, NS("jordan"), backend="cpu") == gram_flops(m, n, segments(5, (4,)))
   for steps in (1, 2, 3, 5, 8):
     for ratio in (1, 1.5, 2, 3, 4, 8):
       g = newton_schulz_flops(64, int(64 * ratio), NS("jordan", steps=steps, gram=True))
@@ -100,15 +100,19 @@ def test_flop_formulas_and_automatic_rule():
 
 
 def test_restarts_follow_the_growth_of_rounding():
-  # The presets keep their one restart; long schedules restart before ∏|a| passes the
-  # gain or a segment passes GRAM_SEGMENT_STEPS.
-  for ns in ("turbo", "jordan", "polar_express"):
-    segments_ = newton_schulz_plan((64, 256), NS(ns), backend="cpu").segments
-    assert segments_ == ((0, 2), (2, NS(ns).num_steps())), (ns, segments_)
+  # A float32 segment ends before its ∏|a| passes the gain or its length passes
+  # GRAM_SEGMENT_STEPS: turbo (∏|a| ≈ 232) is one segment, jordan's 3.44⁵ ≈ 485 and
+  # polar_express's first 4 steps (≈ 429) are not.
+  expected = {"turbo": ((0, 4),), "jordan": ((0, 4), (4, 5)),
+              "polar_express": ((0, 3), (3, 5)), "cubic5": ((0, 4), (4, 5)),
+              "deepseek_v4": ((0, 4), (4, 8), (8, 10))}
+  for ns, parts in expected.items():
+    segments_ = newton_schulz_plan((64, 256), NS(ns, gram=True), backend="cpu").segments
+    assert segments_ == parts, (ns, segments_)
   plan = newton_schulz_plan((64, 256), NS(CONVERGENT, steps=20, gram=True), backend="cpu")
-  assert plan.segments == ((0, 2),) + tuple((k, k + 3) for k in range(2, 20, 3)), plan.segments
+  assert plan.segments == tuple((k, k + 4) for k in range(0, 20, 4)), plan.segments
   steep = newton_schulz_plan((64, 256), NS([[8.0, -20, 12]], steps=6, gram=True), backend="cpu")
-  assert steep.segments == ((0, 2), (2, 4), (4, 6)), steep.segments  # 8·8 ≤ 64 < 8³
+  assert steep.segments == ((0, 2), (2, 4), (4, 6)), steep.segments  # 8·8 ≤ 256 < 8³
   # A traced (injected) table cannot be read: restart every 2 steps, as for 16-bit operands.
   assert gram_restarts(None, 7, "float32") == (2, 4, 6)
   assert gram_restarts([2.0] * 7, 7, "bfloat16") == (2, 4, 6)

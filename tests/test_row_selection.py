@@ -143,7 +143,9 @@ def test_newton_schulz_flops_shrink_with_the_fraction():
   for tx, ns_flops in ((mo.muon(), mo.newton_schulz_cost(params)),
                        (mo.dion2(fraction=0.25), mo.newton_schulz_cost(selected))):
     assert ns_flops <= flops(tx) < 1.03 * ns_flops
-  assert mo.newton_schulz_cost(selected) < 0.5 * mo.newton_schulz_cost(params)
+  # The whole 256×1024 runs in Gram space, which pays less per column than the square
+  # quarter's standard iteration: a quarter of the neurons costs 0.57× the flops.
+  assert mo.newton_schulz_cost(selected) < 0.6 * mo.newton_schulz_cost(params)
 
 
 MESHES = [("matrix", "fsdp", AxisType.Auto), ("shard", "fsdp", AxisType.Auto),

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
 from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
 from muon_optax._newton_schulz.variant import newton_schulz_plan
+from muon_optax._util.order import after
 
 
 def _t(x):
@@ -251,6 +252,8 @@ def _gram_iterate(x, r, coeffs, mm, mm_gram, parts, blocks: RowBlocks, fold: boo
         alpha, d = (a, z) if i == 0 else (a * alpha, _kept(a * d + alpha * z
                                                 + blocks.product(z, d, mm_gram)))
       if i + 1 < len(segment):
+        if i:  # after Q's product: one product's block rows live at a time, not two
+          p, r = after((p, r), d)
         r = blocks.product(p, blocks.product(p, r, mm_gram), mm_gram)
   return _apply(alpha, d, x, mm, blocks, folded)
 

@@ -16,16 +16,16 @@ from muon_optax._newton_schulz.symmetric import symmetric_flops
 
 # Gram-space iteration: the m×m state is rebuilt from X before some steps (0-based).
 # Nothing in Gram space corrects rounding, where the standard iteration, contracting
-# near σ = 1, removes it step by step: rounding in R = X Xᵀ is amplified by the product
-# of the |a| coefficients since the last rebuild, and each step adds its own. One
-# restart before step 2 (as in Gram Newton–Schulz) keeps the presets within the
-# standard iteration's a priori error bound (benchmarks/results/newton_schulz_gram.txt);
-# after it, a segment ends before its ∏|a| passes GRAM_SEGMENT_GAIN or its length
-# GRAM_SEGMENT_STEPS, so that long convergent schedules end within a few times the
-# standard iteration's float32 floor (the presets' segments stay as they are).
-GRAM_RESTARTS = (2,)
-GRAM_SEGMENT_GAIN = 64.0
-GRAM_SEGMENT_STEPS = 3
+# near σ = 1, removes it step by step: rounding in R = X Xᵀ reaches the result through
+# the segment's polynomial, amplified by up to the product of its |a| coefficients. A
+# float32 segment ends before its ∏|a| passes GRAM_SEGMENT_GAIN or its length
+# GRAM_SEGMENT_STEPS: each rebuild costs two products with the m×n X, and float32's
+# rounding times that gain stays far below the distance of a preset's result from
+# U Vᵀ (benchmarks/results/newton_schulz_gram.txt). The turbo preset runs as one
+# segment; long convergent schedules end within a few times the standard iteration's
+# float32 floor.
+GRAM_SEGMENT_GAIN = 256.0
+GRAM_SEGMENT_STEPS = 4
 # Automatic choice: Gram-space when the long side is at least this many times the short
 # one (the measured crossover; benchmarks/results/newton_schulz_gram.txt).
 GRAM_MIN_ASPECT = 2
@@ -46,15 +46,14 @@ def gram_restarts(slopes: Optional[Sequence[float]], steps: int, compute_dtype: 
     return tuple(range(2, steps, 2))
   restarts, start, gain = [], 0, 1.0
   for k, a in enumerate(slopes):
-    if k > 0 and (k in GRAM_RESTARTS or gain * a > GRAM_SEGMENT_GAIN
-                  or k - start == GRAM_SEGMENT_STEPS):
+    if k > 0 and (gain * a > GRAM_SEGMENT_GAIN or k - start == GRAM_SEGMENT_STEPS):
       restarts.append(k)
       start, gain = k, 1.0
     gain *= a
   return tuple(restarts)
 
 
-def segments(steps: int, restarts: Sequence[int] = GRAM_RESTARTS) -> list[tuple[int, int]]:
+def segments(steps: int, restarts: Sequence[int] = ()) -> list[tuple[int, int]]:
   """(start, stop) of each run of steps between Gram-space restarts."""
   cuts = [0] + [r for r in sorted(set(restarts)) if 0 < r < steps] + [steps]
   return list(zip(cuts[:-1], cuts[1:]))

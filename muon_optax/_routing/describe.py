@@ -89,10 +89,10 @@ def describe(params: Any, *, routing: Any = None, ns: NS = DEFAULT_NS,
     path  shape  label  matrix view  NS    NS flops  why
     ----  -----  -----  -----------  ----  --------  -------------
     b     8      adam                                rank < 2
-    w     4×8    muon   4×8          gram  2,304     name → weight
+    w     4×8    muon   4×8          gram  2,176     name → weight
     <BLANKLINE>
     adam: 8 parameters
-    muon: 32 parameters, 2,304 Newton–Schulz flops per step
+    muon: 32 parameters, 2,176 Newton–Schulz flops per step
     Newton–Schulz: 4 steps, aol scaling, float32 operands with float32 accumulation, ...
   """
   routing = as_routing(routing)
