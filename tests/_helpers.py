@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from muon_optax._newton_schulz.settings import as_newton_schulz
+from muon_optax._newton_schulz.variant import newton_schulz_plan
 
 
 def assert_trees_close(actual, expected, *, rtol: float, atol: float) -> None:
@@ -48,19 +49,23 @@ def float32_bound(ns="turbo"):
   return len(coeffs) * np.finfo(np.float32).eps * float(np.prod(np.abs(coeffs[:, 0])))
 
 
+def _scalar_map(coeffs, sigma):
+  """σ after the steps in `coeffs`: σ ← aσ + bσ³ + cσ⁵ each."""
+  for a, b, c in coeffs:
+    sigma = a * sigma + b * sigma**3 + c * sigma**5
+  return sigma
+
+
 def _amplification(coeffs, sigma):
   """sup over σ, τ in `sigma` (an image of [0, 1]) of |q[σ², τ²]| τ, with q(σ²) = p(σ) / σ
   and p the scalar map of the steps in `coeffs`: how much a perturbation E of R = X Xᵀ
   moves q(R) X, per unit of E (q[λ, μ] is a divided difference; Daleckii–Krein)."""
-  out = sigma
-  for a, b, c in coeffs:
-    out = a * out + b * out**3 + c * out**5
-  lam, q = sigma**2, out / sigma
+  lam, q = sigma**2, _scalar_map(coeffs, sigma) / sigma
   with np.errstate(divide="ignore", invalid="ignore"):
     diff = (q[:, None] - q[None, :]) / (lam[:, None] - lam[None, :])
   diag = np.arange(len(lam))
   diff[diag, diag] = np.gradient(q, lam)  # on the diagonal, the derivative
-  return np.nanmax(np.abs(diff * sigma[None, :])), out
+  return np.nanmax(np.abs(diff * sigma[None, :]))
 
 
 def gram_float32_bound(ns="turbo", shape=(64, 256)):
@@ -72,8 +77,6 @@ def gram_float32_bound(ns="turbo", shape=(64, 256)):
   restart add one rounding more. Unlike the standard iteration's bound
   (`float32_bound`), it grows with each segment's own polynomial, not the whole ∏|a|.
   """
-  from muon_optax._newton_schulz.variant import newton_schulz_plan
-
   ns = as_newton_schulz(ns)
   coeffs = np.asarray(ns.coefficients(), np.float64)
   plan = newton_schulz_plan(shape, dataclasses.replace(ns, gram=True, compute_dtype="float32"),
@@ -81,10 +84,8 @@ def gram_float32_bound(ns="turbo", shape=(64, 256)):
   sigma, bound = np.linspace(0, 1, 801)[1:], 0.0
   for start, stop in plan.segments:
     for k in range(start, stop):
-      gain, _ = _amplification(coeffs[k:stop], sigma)
-      bound += gain
-      _, sigma = _amplification(coeffs[k:k + 1], sigma)
-      sigma = np.unique(np.abs(sigma))
+      bound += _amplification(coeffs[k:stop], sigma)
+      sigma = np.unique(np.abs(_scalar_map(coeffs[k:k + 1], sigma)))
     bound += 1
   return np.finfo(np.float32).eps * bound
 
