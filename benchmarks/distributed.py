@@ -199,8 +199,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           "d×4d, each whole on one device)")
     columns = (f"{'layout':<8} {'mesh':<8} {'mesh= told':<19} {'collectives':>11} "
                f"{'GFLOP/device':>12} {'temp MB':>7} {'warned':>6}  by kind")
-    print("'temp MB': XLA's temporary memory per device, against the memory cap of twice "
-          "the Muon state shard (the default exchanges are the fewest that fit it, else 4).")
+    print("'temp MB': XLA's temporary memory per device, against the memory cap: twice "
+          "the Muon state shard, plus the replicas of the updates a device holds where the "
+          "layout replicates the params (the default exchanges are the fewest that fit it, "
+          "else 4).")
     print("'warned': the layout was guessed, and a warning named the fix.")
     print(columns + "\n" + "-" * len(columns))
     for kind in args.layouts:

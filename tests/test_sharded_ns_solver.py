@@ -179,17 +179,26 @@ def test_exchanges_by_need():
   # default memory cap (twice the shard), two exchanges' halves fit it: one all-to-all
   # in and one out each. Where the cap holds one (three shards, or none), one exchange;
   # where it holds not even two or three (one shard), four.
+  # ZeRO-1 (params replicated) holds every update whole on every device, and its
+  # exchanges gather them: the cap adds those replicas (7 shards) to its multiple of the
+  # shard (`memory_budget`). Two halves' buffers, each an all-to-all in and an
+  # all-gather out, then fit from one shard on, one exchange's from four.
   params, mesh = gpt2_small_tree(), mesh_of()
 
-  def all_to_alls(**settings):
-    layout = mo.MeshLayout(mesh, params="sharded", **settings)
-    compiled = compiled_update(mo.muon(0.02, mesh=layout), params, mesh, "fsdp")
-    return collective_stats(compiled.as_text(), outside=SHARED_MATRIX_SCOPE)["all-to-all"][0]
+  def exchange(kind="fsdp", **settings):
+    layout = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded",
+                           **settings)
+    compiled = compiled_update(mo.muon(0.02, mesh=layout), params, mesh, kind)
+    stats = collective_stats(compiled.as_text(), outside=SHARED_MATRIX_SCOPE)
+    return {op: n for op, (n, _) in stats.items() if n}
 
-  assert all_to_alls() == 2 * 2
-  assert all_to_alls(memory=1.0) == 2 * EXCHANGES
-  assert all_to_alls(memory=3.0) == 2
-  assert all_to_alls(memory=math.inf) == 2
+  assert exchange() == {"all-to-all": 2 * 2}
+  assert exchange(memory=1.0) == {"all-to-all": 2 * EXCHANGES}
+  assert exchange(memory=3.0) == {"all-to-all": 2}
+  assert exchange(memory=math.inf) == {"all-to-all": 2}
+  assert exchange("zero1") == {"all-to-all": 2, "all-gather": 2}
+  assert exchange("zero1", memory=1.0) == exchange("zero1")
+  assert exchange("zero1", memory=4.0) == {"all-to-all": 1, "all-gather": 1}
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "zero1"])

@@ -45,6 +45,13 @@ def test_the_default_memory_budget_is_twice_the_shard_and_never_below_the_floor(
   assert memory_budget(big, 1024, math.inf) is None
   assert memory_budget(small, 8, None) == MEMORY_FLOOR  # a small model is not split for it
   assert memory_budget(small, 8, 0.5) == 0.5 * 4 * 64 * 256 / 8  # a cap asked for is kept
+  # Updates held replicated (ZeRO-1 holds them whole) add their replicas to the cap; a
+  # device holding no more than its shard adds nothing.
+  whole = 96 * 4096 * 14336
+  assert memory_budget(big, 1024, None, held=whole) == DEFAULT_MEMORY * shard + whole - shard
+  assert memory_budget(big, 1024, 0.5, held=whole) == 0.5 * shard + whole - shard
+  assert memory_budget(big, 1024, None, held=shard) == DEFAULT_MEMORY * shard
+  assert memory_budget(big, 1024, math.inf, held=whole) is None
 
 
 def test_only_large_shared_matrices_form_their_products_in_blocks():

@@ -82,8 +82,11 @@ class MeshLayout:
       matmul rate over its interconnect; 0 balances flops alone). A float32 flop at
       HIGHEST precision counts as six, its bfloat16 passes.
     memory: caps the Newton–Schulz work a device holds at once (a matrix, its part,
-      or the split rounds run together) at this multiple of the Muon state shard (the
-      Muon leaves' bytes over the devices): a matrix whose work would take more is
+      or the split rounds run together), and the buffers of an exchange beside it, at
+      this multiple of the Muon state shard (the Muon leaves' bytes over the devices),
+      plus the replicas of their updates a device holds where the params' layout
+      replicates them over some axes (ZeRO-1, tensor parallelism beside a data axis),
+      which its exchanges bring it anyway: a matrix whose work would take more is
       split over more devices, at m×m traffic and collectives that grow with the
       split; a split matrix forms its m×m products whole where its work with them
       fits half the cap, else a few blocks at a time, a collective each. Default

@@ -31,6 +31,7 @@ Its layouts are given, not discovered: the stacks lie as the state does
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -95,13 +96,17 @@ def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout,
              beside: OwnedWork):
   """The per-device body over all rounds, in `layout.exchanges` exchanges (None: as many
   as memory needs, `exchanges_by_need`) one after another, so that only one's buffers
-  are live at once; `layout.memory` caps one unit's working set, as a multiple of the
-  Muon state's shard (these stacks' and the owned ones `beside` them)."""
+  are live at once; `layout.memory` caps one unit's working set and the buffers, as a
+  multiple of what a device holds of these stacks and the owned ones `beside` them
+  (their shard, or their updates in the wanted layout where that is more)."""
   def split_ok(item, g):
     i = item[0]
     return kernel.splits and (stacks.gather or stacks.outs[i].grid == stacks.ins[i].grid)
 
-  budget = memory_budget([*stacks.shapes, *beside.shapes], stacks.devices, layout.memory)
+  held = sum(count * out.shard[0] * out.shard[1] for (count, _, _), out
+             in zip(stacks.shapes, stacks.outs))
+  held += sum(math.prod(shape) for shape in beside.shapes) / stacks.devices
+  budget = memory_budget([*stacks.shapes, *beside.shapes], stacks.devices, layout.memory, held)
   rounds = plan_rounds(stacks.shapes, stacks.devices, kernel.priced, split_ok,
                        stacks.fmesh.groups(), [shards.grid[1] for shards in stacks.ins],
                        layout.flops_per_byte, budget, beside.flops)

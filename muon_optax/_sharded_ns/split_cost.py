@@ -89,17 +89,22 @@ MEMORY_FLOOR = 2**23
 
 
 def memory_budget(shapes: list[tuple[int, int, int]], devices: int,
-                  memory: Optional[float]) -> Optional[float]:
-  """The float32 elements one unit of Newton–Schulz work may hold live on a device, for
-  stacks of shapes (count, rows, cols) over `devices`: `memory` times their shard, or by
-  default (None) `DEFAULT_MEMORY` times it and at least `MEMORY_FLOOR`; None (no cap)
+                  memory: Optional[float], held: float = 0.0) -> Optional[float]:
+  """The float32 elements one unit of Newton–Schulz work, or one exchange's buffers
+  beside it, may hold live on a device, for stacks of shapes (count, rows, cols) over
+  `devices`: `memory` times their shard, by default (None) `DEFAULT_MEMORY` times it and
+  at least `MEMORY_FLOOR`, plus what `held` (the elements of their updates a device
+  holds in the layout they are wanted in) has beyond the shard: the replicas of a
+  layout that replicates the params over some axes (ZeRO-1, tensor parallelism beside a
+  data axis), which its exchange brings to every device that holds one. None (no cap)
   for an infinite `memory`."""
   if memory is not None and math.isinf(memory):
     return None
   shard = sum(math.prod(s) for s in shapes) / devices
+  replicas = max(held - shard, 0.0)
   if memory is None:
-    return max(DEFAULT_MEMORY * shard, MEMORY_FLOOR)
-  return memory * shard
+    return max(DEFAULT_MEMORY * shard, MEMORY_FLOOR) + replicas
+  return memory * shard + replicas
 
 
 # A unit of split work forms its m×m products whole only where its work with them fits
