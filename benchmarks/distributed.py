@@ -14,7 +14,11 @@ tensor, MoE experts on an expert axis with FSDP), on Auto and Explicit meshes, t
 layout three ways: stated (`MeshLayout(mesh, params=param_shardings)`), stated with one
 exchange, and a bare `mesh=` (on an Auto mesh a guess, which warns; on an Explicit one
 the types say), with the temporary memory each compiles to. `--layouts` picks some of
-them, `--layouts` alone none.
+them, `--layouts` alone none. A third (`--peaks` and some layouts) compiles the update
+with its apply, params and state donated, as a trainer's step holds them, and prints
+the peak memory per device of optax.adamw and mo.muon in each.
+
+    python -m benchmarks.distributed --devices --layouts --peaks fsdp zero1 tp 3d
 
 Everything here is read from compiled programs (XLA cost analysis, collectives in the
 HLO text) and array shards, not timed: the figures are deterministic. Collective
@@ -111,16 +115,24 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--biases", action="store_true", help="add GPT-2's biases and LayerNorms")
   p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS,
                  help="layouts of the second table (8 devices)")
+  p.add_argument("--peaks", nargs="*", default=[], choices=LAYOUTS,
+                 help="layouts of the third table: update and apply, peak memory (8 devices)")
   return p
+
+
+def layout_params(params, kind: str):
+  """The tree of layout `kind`: EP adds 8 experts d×4d, each whole on one device."""
+  if kind != "ep":
+    return params
+  d = params["wte"]["embedding"].shape[1]
+  return {**params, "moe": {"experts": {"kernel": jax.ShapeDtypeStruct((8, d, 4 * d),
+                                                                       jax.numpy.float32)}}}
 
 
 def layout_rows(params, kind: str):
   """Muon's compiled update in layout `kind` on Auto and Explicit meshes, the layout told
   three ways; one row each: collectives by kind, flops, and whether it warned."""
-  if kind == "ep":  # 8 experts, each whole on one device
-    d = params["wte"]["embedding"].shape[1]
-    params = {**params, "moe": {"experts": {"kernel": jax.ShapeDtypeStruct((8, d, 4 * d),
-                                                                           jax.numpy.float32)}}}
+  params = layout_params(params, kind)
   for types in (AxisType.Auto, AxisType.Explicit):
     mesh = layout_mesh(kind, types)
     shardings = layout_shardings(kind, params, mesh)
@@ -141,6 +153,36 @@ def layout_rows(params, kind: str):
       yield (f"{kind:<8} {types.name:<8} {form:<19} {r['collectives']:>11} "
              f"{r['flops'] / 1e9:>12.1f} {r['temp_bytes'] / 1e6:>7.1f} "
              f"{'yes' if guessed else 'no':>6}  {kinds}")
+
+
+def peak_rows(params, kind: str):
+  """The update and its apply compiled together in layout `kind`, params and state
+  donated, as a trainer's step holds them: the peak memory per device (arguments +
+  outputs + temp − aliased) and the temp, for optax.adamw and mo.muon (by default, and
+  in 4 exchanges)."""
+  params = layout_params(params, kind)
+  mesh, axis = layout_mesh(kind), layout_data_axis(kind)
+  shardings = layout_shardings(kind, params, mesh)
+  placed = jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h),
+                        params, shardings)
+  muon = lambda **kw: mo.muon(0.02, mesh=mo.MeshLayout(mesh, params=shardings, data_axis=axis,
+                                                       **kw), adam=mo.AuxAdam(backend="optax"))
+  arms = {"optax.adamw": optax.adamw(3e-4), "mo.muon": muon(), "mo.muon, exchanges=4":
+          muon(exchanges=4)}
+  for name, tx in arms.items():
+    state_shardings = mo.state_shardings(tx, placed, mesh, axis)
+    state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                         jax.eval_shape(tx.init, placed), state_shardings)
+
+    def step(grads, state, params, tx=tx):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    memory = jax.jit(step, out_shardings=(shardings, state_shardings), donate_argnums=(1, 2)
+                     ).lower(placed, state, placed).compile().memory_analysis()
+    peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+    yield (f"{kind:<8} {name:<22} {peak / 1e6:>8.1f} {memory.temp_size_in_bytes / 1e6:>8.1f}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -207,6 +249,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(columns + "\n" + "-" * len(columns))
     for kind in args.layouts:
       for row in layout_rows(params, kind):
+        print(row, flush=True)
+  if args.peaks:
+    print(f"\nUpdate and apply in one program, params and state donated, {MAX_DEVICES} devices: "
+          "peak memory per device (arguments + outputs + temp − aliased) and temp, MB")
+    columns = f"{'layout':<8} {'optimizer':<22} {'peak MB':>8} {'temp MB':>8}"
+    print(columns + "\n" + "-" * len(columns))
+    for kind in args.peaks:
+      for row in peak_rows(params, kind):
         print(row, flush=True)
 
 

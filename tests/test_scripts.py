@@ -43,7 +43,7 @@ def smallest(module: str, tmp: pathlib.Path) -> Optional[list[str]]:
       "benchmarks.adam_backends": ["--tensors", "4", "--size", "64", "--warmup", "1",
                                    "--steps", "3"],
       "benchmarks.distributed": ["--layers", "1", "--d", "64", "--vocab", "256",
-                                 "--devices", "1", "2"],
+                                 "--devices", "1", "2", "--peaks", "zero1"],
       "benchmarks.scale": ["--model", "8b", "--layers", "2", "--devices", "8", "--out",
                            str(tmp / "s.jsonl")],
       "benchmarks.e2e_loss": ["--preset", "tiny", "--steps", "3", "--data-root", DATA,
@@ -268,6 +268,13 @@ def test_distributed_compiles_both_layouts(tmp_path, capsys):
   collectives = {(kind, n, name): int(figures[2]) for kind, n, name, figures in rows}
   assert collectives["fsdp", "2", "muonbp block step"] == 0  # no communication at all
   assert collectives["fsdp", "2", "muonbp full step"] == collectives["fsdp", "2", "muon_optax"]
+  layouts, _, peaks = layouts.partition("\nUpdate and apply in one program")
+  # The peaks' table: AdamW's and Muon's step in the layout asked, each peak at least
+  # its temp.
+  rows = {line[9:31].strip(): [float(v) for v in line[31:].split()]
+          for line in peaks.splitlines() if line.startswith("zero1")}
+  assert list(rows) == ["optax.adamw", "mo.muon", "mo.muon, exchanges=4"]
+  assert all(peak >= temp > 0 for peak, temp in rows.values())
   # The layouts' table: each layout, mesh and way of telling it; only a bare mesh= on an
   # Auto mesh guesses (and warns), and a stated layout costs no more than on Explicit axes.
   table = {(line[:8].strip(), line[9:17].strip(), line[18:37].strip()): line[37:].split()
