@@ -6,7 +6,7 @@ NorDion2 (fraction 0.25, chosen per matrix and per shard) and each kind of MuonB
 costs, where the default weighs it at a TPU v5p's flops per byte.
 
     python -m benchmarks.distributed [--layers 12] [--devices 1 2 4 8] [--biases]
-    python -m benchmarks.distributed --layers 1 --d 64 --vocab 256 --devices 1 2  # smallest
+    python -m benchmarks.distributed --layers 1 --d 64 --vocab 256 --devices 1 2 --peaks zero1  # smallest
 
 A second table compiles Muon's update on 8 devices in the layouts users train in
 (`common.LAYOUTS`: FSDP, ZeRO-1, Megatron-style TP alone and with FSDP, data × fsdp ×
