@@ -27,7 +27,8 @@ from muon_optax._newton_schulz.symmetric import symmetric_flops
 GRAM_SEGMENT_GAIN = 256.0
 GRAM_SEGMENT_STEPS = 4
 # Automatic choice: Gram-space when the long side is at least this many times the short
-# one (the measured crossover; benchmarks/results/newton_schulz_gram.txt).
+# one: the measured time crossover lies between 1.5 and 2, where flops alone would put
+# it near 1.25 (benchmarks/results/newton_schulz_gram.txt).
 GRAM_MIN_ASPECT = 2
 # ... and when the operands carry at least float16's mantissa bits (see `use_gram`).
 GRAM_MIN_MANTISSA = 10
