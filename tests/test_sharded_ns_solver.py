@@ -339,8 +339,9 @@ def test_split_matrices_add_a_fixed_number_of_collectives_per_step():
 
 @pytest.mark.parametrize("ns", [mo.NewtonSchulz(), mo.NewtonSchulz(gram=False),
                                 mo.NewtonSchulz("jordan", steps=5),
-                                mo.NewtonSchulz(gram=False, compute_dtype="bfloat16")],
-                         ids=["gram", "standard", "jordan", "bfloat16"])
+                                mo.NewtonSchulz(gram=False, compute_dtype="bfloat16"),
+                                mo.NewtonSchulz(gram=True, compute_dtype="bfloat16")],
+                         ids=["gram", "standard", "jordan", "bfloat16", "bfloat16 gram"])
 @pytest.mark.parametrize("shape, memory, blocks", [
     ((64, 128), math.inf, 1), ((6, 128), math.inf, 1), ((4096, 8192), math.inf, 1),
     ((4096, 8192), 4.6, PRODUCT_CHUNKS)],

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from muon_optax._newton_schulz.centering import gram_centers
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
 from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
 from muon_optax._newton_schulz.variant import newton_schulz_plan
@@ -228,16 +229,29 @@ def _gram_iterate(x, r, coeffs, mm, mm_gram, parts, blocks: RowBlocks, fold: boo
   Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products (`mm_gram`)
   read float16 operands where those of X are float16, float32 where they are bfloat16,
   and accumulate in float32, as the state is kept. With 16-bit operands Q is kept as
-  α I + D, so that α X is applied exactly, in float32; else (`fold`) Q itself, each state
-  matrix then one product's output (see `_polynomial`, `_apply`). R, Q and every product
-  are this part's rows (`blocks`).
+  α I + D and applied as c I + (D + (α − c) I), c X exact in float32, with c each
+  segment's centre (`centering`), read from a bound on the first segment's Q; else
+  (`fold`) Q itself, each state matrix then one product's output (see `_polynomial`,
+  `_apply`). R, Q and every product are this part's rows (`blocks`).
   """
   eye = blocks.rows(jnp.eye(x.shape[-2], dtype=jnp.float32))
   folded = eye if fold else None
   alpha, d = 1.0, None  # Q = α I + D, set by the first step of the first segment
-  for start, stop in parts:
+  centers = []
+
+  def apply(x, k):
+    if fold:
+      return _apply(alpha, d, x, mm, blocks, folded)
+    if not centers:  # Gershgorin: Q's largest eigenvalue is at most a row's |sum|
+      rows = jnp.sum(jnp.abs(alpha * eye + d), axis=-1, keepdims=True)
+      centers.extend(gram_centers(coeffs, parts,
+                                  jnp.max(blocks.gather(rows), axis=-2, keepdims=True)))
+    c = centers[k]
+    return _apply(c, d + (alpha - c) * eye, x, mm, blocks, None)
+
+  for k, (start, stop) in enumerate(parts):
     if start:
-      x = _apply(alpha, d, x, mm, blocks, folded)
+      x = apply(x, k - 1)
     if start or r is None:
       r = blocks.gram_rows(x, mm)
     segment = coeffs[start:stop]
@@ -255,7 +269,7 @@ def _gram_iterate(x, r, coeffs, mm, mm_gram, parts, blocks: RowBlocks, fold: boo
         if i:  # after Q's product: one product's block rows live at a time, not two
           p, r = after((p, r), d)
         r = blocks.product(p, blocks.product(p, r, mm_gram), mm_gram)
-  return _apply(alpha, d, x, mm, blocks, folded)
+  return apply(x, len(parts) - 1)
 
 
 def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import jax.numpy as jnp
+
 from muon_optax._newton_schulz.settings import NewtonSchulz
 from muon_optax._newton_schulz.variant import newton_schulz_plan
 from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE  # noqa: F401  (the price's home is MeshLayout's default)
@@ -165,7 +167,13 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
   count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
   if plan.variant == "standard":
     return count + plan.steps * (product + apply)
+  # With 16-bit operands P = a I + b R + c R R reads R whole, as the next R's product
+  # does: where products are whole, one gather serves both; and Q's row sums are
+  # gathered once, for the centre of each Q X (`centering`).
+  sixteen = jnp.dtype(plan.compute_dtype).itemsize < 4
+  shared = sixteen and product == 1
   for start, stop in plan.segments:  # each step forms P; all but one also Rᵀ, Q, next R
     steps = stop - start
-    count += apply * (start > 0) + steps * product + (steps - 1) * (1 + 3 * product)
-  return count + apply
+    count += (apply * (start > 0) + steps * product
+              + (steps - 1) * (1 + 3 * product - shared))
+  return count + apply + sixteen
