@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from muon_optax._newton_schulz.centering import gram_centers
+from muon_optax._newton_schulz.centering import gram_centers, largest_eigenvalue
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
 from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
 from muon_optax._newton_schulz.variant import newton_schulz_plan
@@ -242,10 +242,9 @@ def _gram_iterate(x, r, coeffs, mm, mm_gram, parts, blocks: RowBlocks, fold: boo
   def apply(x, k):
     if fold:
       return _apply(alpha, d, x, mm, blocks, folded)
-    if not centers:  # Gershgorin: Q's largest eigenvalue is at most a row's |sum|
-      rows = jnp.sum(jnp.abs(alpha * eye + d), axis=-1, keepdims=True)
-      centers.extend(gram_centers(coeffs, parts,
-                                  jnp.max(blocks.gather(rows), axis=-2, keepdims=True)))
+    if not centers:
+      centers.extend(gram_centers(coeffs, parts, largest_eigenvalue(
+          blocks.gather(alpha * eye + d))))
     c = centers[k]
     return _apply(c, d + (alpha - c) * eye, x, mm, blocks, None)
 
