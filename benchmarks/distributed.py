@@ -88,10 +88,17 @@ def minimal_bytes(params, mesh, kind: str) -> float:
   return (n - 1) / n * muon / n + back
 
 
-def measure(tx, params, mesh, data_axis="data"):
+def abstract_state(tx, params, mesh, data_axis="data"):
+  """`tx`'s state for abstract `params`, laid out by `mo.state_shardings`, and its
+  shardings."""
   shardings = mo.state_shardings(tx, params, mesh, data_axis)
   state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
                        jax.eval_shape(tx.init, params), shardings)
+  return state, shardings
+
+
+def measure(tx, params, mesh, data_axis="data"):
+  state, shardings = abstract_state(tx, params, mesh, data_axis)
   out = (jax.tree.map(lambda p: p.sharding, params), shardings)
   compiled = jax.jit(tx.update, out_shardings=out).lower(params, state, params).compile()
   stats = collective_stats(compiled.as_text())
@@ -170,9 +177,7 @@ def peak_rows(params, kind: str):
   arms = {"optax.adamw": optax.adamw(3e-4), "mo.muon": muon(), "mo.muon, exchanges=4":
           muon(exchanges=4)}
   for name, tx in arms.items():
-    state_shardings = mo.state_shardings(tx, placed, mesh, axis)
-    state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
-                         jax.eval_shape(tx.init, placed), state_shardings)
+    state, state_shardings = abstract_state(tx, placed, mesh, axis)
 
     def step(grads, state, params, tx=tx):
       updates, state = tx.update(grads, state, params)

@@ -230,7 +230,7 @@ def _gram_iterate(x, r, coeffs, mm, mm_gram, parts, blocks: RowBlocks, fold: boo
   read float16 operands where those of X are float16, float32 where they are bfloat16,
   and accumulate in float32, as the state is kept. With 16-bit operands Q is kept as
   α I + D and applied as c I + (D + (α − c) I), c X exact in float32, with c each
-  segment's centre (`centering`), read from a bound on the first segment's Q; else
+  segment's centre (`centering`), read from the first segment's Q, gathered whole; else
   (`fold`) Q itself, each state matrix then one product's output (see `_polynomial`,
   `_apply`). R, Q and every product are this part's rows (`blocks`).
   """

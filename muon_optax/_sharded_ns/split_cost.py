@@ -168,8 +168,9 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
   if plan.variant == "standard":
     return count + plan.steps * (product + apply)
   # With 16-bit operands P = a I + b R + c R R reads R whole, as the next R's product
-  # does: where products are whole, one gather serves both; and Q's row sums are
-  # gathered once, for the centre of each Q X (`centering`).
+  # does: where products are whole, one gather serves both; and the first segment's Q
+  # is gathered once, for the estimate the centre of each Q X is read from
+  # (`centering`).
   sixteen = jnp.dtype(plan.compute_dtype).itemsize < 4
   shared = sixteen and product == 1
   for start, stop in plan.segments:  # each step forms P; all but one also Rᵀ, Q, next R
