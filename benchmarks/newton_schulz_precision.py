@@ -17,14 +17,15 @@ shapes, on this CPU and from the TPU compiler (v5p, offline), and the bfloat16 p
 per flop as the planner prices them. `--mode time`: min and median seconds of N interleaved calls
 on a stack of `--count` matrices, on jax's default backend (a GPU where there is one).
 `--mode convergence`: the workload GPT's final validation loss (2×64, its defaults) with
-mo.muon and the GPU candidate's Newton–Schulz settings against the default's, per seed.
+mo.muon and each arm's Newton–Schulz settings (`CONVERGENCE_ARMS`), per seed.
 Rows are appended to `--out` (JSON lines) and skipped when already there (resumable);
 the table printed is made from the file.
 
     python -m benchmarks.newton_schulz_precision --mode accuracy --count 1000
     python -m benchmarks.newton_schulz_precision --mode flops
     python -m benchmarks.newton_schulz_precision --mode time --count 64
-    python -m benchmarks.newton_schulz_precision --mode convergence --seeds 0,1,2
+    python -m benchmarks.newton_schulz_precision --mode convergence --seeds 0,1,2 \
+        [--arms bfloat16_standard,bfloat16_Gram]
     python -m benchmarks.newton_schulz_precision --count 3 --shapes 16x48 \
         --presets turbo,cubic5 --classes gaussian,heavy --llama 16x48 --reps 2 \
         --out DIR/p.jsonl                                     # smallest (any --mode)
@@ -229,8 +230,11 @@ def run_time(args, out: pathlib.Path, done: set[str]) -> None:
 
 # The convergence check a new platform default needs against today's, on the workload GPT.
 CONVERGENCE_ARMS = {
-    "bfloat16 standard (the GPU default)": dict(compute_dtype="bfloat16", gram=False),
+    "bfloat16 standard (the GPU and TPU default before Gram space)":
+        dict(compute_dtype="bfloat16", gram=False),
     "float16 Gram (the GPU candidate)": dict(compute_dtype="float16"),
+    "bfloat16 Gram (the GPU and TPU default: Gram space on wide matrices)":
+        dict(compute_dtype="bfloat16"),
 }
 
 
@@ -245,8 +249,9 @@ def run_convergence(args, out: pathlib.Path, done: set[str]) -> None:
   try:
     for seed in args.seeds:
       for arm, options in CONVERGENCE_ARMS.items():
-        key = f"convergence {arm.split(' (')[0].replace(' ', '_')} seed {seed}"
-        if key in done:
+        name = arm.split(" (")[0].replace(" ", "_")
+        key = f"convergence {name} seed {seed}"
+        if key in done or (args.arms and name not in args.arms):
           continue
         ns = mo.NewtonSchulz(**options)
         train.FAMILY["muon"] = (lambda *a, ns_=ns, **k: mo.muon(*a, **{**k, "ns": ns_}), {})
@@ -304,6 +309,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--mode", choices=("accuracy", "flops", "time", "convergence"),
                   default="accuracy")
   ap.add_argument("--seeds", default="0,1,2", help="seeds of the convergence mode")
+  names = ", ".join(a.split(" (")[0].replace(" ", "_") for a in CONVERGENCE_ARMS)
+  ap.add_argument("--arms", default="",
+                  help=f"the convergence mode's arms, by first words (default: all): {names}")
   ap.add_argument("--count", type=int, default=1000, help="matrices per class and shape")
   ap.add_argument("--shapes", default="64x256,128x128", help="synthetic and timed shapes")
   ap.add_argument("--llama", default=LLAMA, help="shapes of the flops mode")
@@ -321,6 +329,7 @@ def main(argv=None) -> None:
   for name in ("presets", "precisions", "classes"):
     setattr(args, name, getattr(args, name).split(","))
   args.seeds = [int(s) for s in args.seeds.split(",")]
+  args.arms = [a for a in args.arms.split(",") if a]
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   {"accuracy": run_accuracy, "flops": run_flops, "time": run_time,

@@ -124,8 +124,13 @@ def test_bands_hold_in_float32_and_bfloat16(ns):
     # bfloat16 operands (unit roundoff 2^-8) move the lowest lifted σ by a few percent,
     # the top by less than one rounding of its own (each step's quintic is tuned on an
     # interval 5% wider than the last one's image).
-    for dtype, gram, slack in (("float32", True, 1e-3), ("bfloat16", True, 0.03),
-                               ("bfloat16", False, 0.03)):
+    # polar_express's bfloat16 Gram space leaves the band (its σ overshoot, diverging on
+    # some heavy-tailed inputs: benchmarks/results/newton_schulz_precision.txt), which is
+    # why `use_gram` never picks it; the others' holds.
+    cases = [("float32", True, 1e-3), ("bfloat16", False, 0.03)]
+    if ns != "polar_express":
+      cases.append(("bfloat16", True, 0.03))
+    for dtype, gram, slack in cases:
       s = singular_values(ns_fn(ns, gram=gram, compute_dtype=dtype)(x))
       top = high * (1 + 2.0**-8) if dtype == "bfloat16" else high + 1e-3
       assert s.max() < top, (name, dtype, gram, s.max())
@@ -154,9 +159,8 @@ def test_float16_gram_meets_the_float32_criterion(ns):
         float32_bound(ns), name
 
 
-# Not turbo: its bfloat16 Gram iteration is measurably further from U Vᵀ than its
-# bfloat16 standard one (benchmarks/results), which is why `use_gram` never picks
-# Gram for 16-bit operands.
+# turbo, the one preset `use_gram` runs in bfloat16 Gram space, is checked against its
+# standard iteration on Gaussian and heavy-tailed inputs in test_centering.py.
 @pytest.mark.parametrize("ns", ["jordan", "polar_express"])
 def test_bfloat16_gram_as_accurate_as_bfloat16_standard(ns):
   # bfloat16 operands (eps 2^-8) put both variants far from the float64 polynomial;

@@ -28,15 +28,20 @@ def test_auto_dtype_and_precision_follow_the_platform():
   assert (cpu.variant, cpu.steps, cpu.precondition) == ("gram", 4, "aol")
   assert (cpu.compute_dtype, cpu.precision) == ("float32", "HIGHEST")
   for backend in ("gpu", "tpu"):
+    # bfloat16 operands: turbo runs Gram space on a wide matrix, restarted every 2 steps,
+    # the other presets and square matrices the standard iteration (see use_gram).
     plan = newton_schulz_plan((768, 3072), backend=backend)
-    # bfloat16 operands keep the standard iteration (see use_gram).
-    assert (plan.variant, plan.compute_dtype, plan.precision) == (
-        "standard", "bfloat16", "DEFAULT")
-    assert plan.flops == newton_schulz_flops(768, 3072, NS(gram=False), backend=backend)
-  # float16 operands run Gram space, restarted every 2 steps.
-  half = newton_schulz_plan((768, 3072), NS(compute_dtype="float16"), backend="gpu")
-  assert (half.variant, half.segments) == ("gram", ((0, 2), (2, 4)))
-  assert half.flops < 0.8 * newton_schulz_plan((768, 3072), backend="gpu").flops
+    assert (plan.variant, plan.segments, plan.compute_dtype, plan.precision) == (
+        "gram", ((0, 2), (2, 4)), "bfloat16", "DEFAULT")
+    assert plan.flops < 0.8 * newton_schulz_flops(768, 3072, NS(gram=False),
+                                                  backend=backend)
+    for ns, shape in ((NS(), (768, 768)), (NS("jordan"), (768, 3072)),
+                      (NS("turbo", steps=5), (768, 3072)),
+                      (NS(precondition="frobenius"), (768, 3072))):
+      assert newton_schulz_plan(shape, ns, backend=backend).variant == "standard", ns
+  # float16 operands run Gram space for every preset.
+  half = newton_schulz_plan((768, 3072), NS("jordan", compute_dtype="float16"), backend="gpu")
+  assert (half.variant, half.segments) == ("gram", ((0, 2), (2, 4), (4, 5)))
   explicit = newton_schulz_plan((3072, 768), NS("jordan", compute_dtype="float32",
                                                 precision="highest"), backend="gpu")
   assert (explicit.variant, explicit.steps, explicit.precondition) == ("gram", 5, "frobenius")

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from muon_optax._newton_schulz.centering import gram_centers, largest_eigenvalue
+from muon_optax._newton_schulz.centering import gram_center
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
 from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
 from muon_optax._newton_schulz.variant import newton_schulz_plan
@@ -219,33 +219,54 @@ def _standard_iterate(x, r, coeffs, mm, blocks: RowBlocks, eye, fp8_steps: int =
   return x
 
 
-def _gram_iterate(x, r, coeffs, mm, mm_gram, parts, blocks: RowBlocks, fold: bool):
+def _means(blocks: RowBlocks, *rows: jax.Array) -> list[jax.Array]:
+  """The mean over all rows of each per-row value given for this part's rows (shape
+  (..., rows)); one gather for all of them. Shapes (..., 1, 1)."""
+  total = jnp.mean(blocks.gather(jnp.stack(rows, -1)), axis=-2)
+  return [total[..., k, None, None] for k in range(len(rows))]
+
+
+def _diagonal(a: jax.Array, eye: jax.Array) -> jax.Array:
+  """This part's rows' diagonal entries (`eye`: its rows of I)."""
+  return jnp.sum(a * eye, axis=-1)
+
+
+def _centred_product(a, ca, b, cb, mm: Matmul, blocks: RowBlocks, eye):
+  """This part's rows of A B with A = ca I + A', B = cb I + B': cb A + ca B' + A' B'.
+  The scalar parts stay exact in float32 and only A' and B' are rounded, so that
+  16-bit operands round each matrix's spread about its mean eigenvalue `ca`, `cb`, not
+  the identity part that is most of R, P − a I and Q − α I as the iteration converges.
+  """
+  a0, b0 = a - ca * eye, b - cb * eye
+  return _kept(cb * a + ca * b0 + blocks.product(a0, b0, mm))
+
+
+def _gram_iterate(x, r, coeffs, mm, parts, blocks: RowBlocks, fold: bool):
   """The same polynomial, carried in Gram space: X_k = Q_k X_0.
 
   With R_k = X_k X_kᵀ and P_k = a I + b R_k + c R_k², one step is X_{k+1} = P_k X_k,
   so Q_{k+1} = P_k Q_k and R_{k+1} = P_k R_k P_k = P_k (P_k R_k) (P_k and R_k commute).
   Only R_0 = X_0 X_0ᵀ and the final Q X touch the m×n matrix. At the start of each of
   the (start, stop) `parts` but the first, the state is rebuilt (X ← Q X, R ← X Xᵀ,
-  Q ← I): rounding in R is otherwise amplified by ∏ a_k. The m×m products (`mm_gram`)
-  read float16 operands where those of X are float16, float32 where they are bfloat16,
-  and accumulate in float32, as the state is kept. With 16-bit operands Q is kept as
-  α I + D and applied as c I + (D + (α − c) I), c X exact in float32, with c each
-  segment's centre (`centering`), read from the first segment's Q, gathered whole; else
-  (`fold`) Q itself, each state matrix then one product's output (see `_polynomial`,
-  `_apply`). R, Q and every product are this part's rows (`blocks`).
+  Q ← I): rounding in R is otherwise amplified by ∏ a_k. Products accumulate in float32,
+  as the state is kept. With 32-bit operands (`fold`) each state matrix is one
+  product's output (see `_polynomial`, `_apply`). With 16-bit operands every m×m
+  product reads centred operands (`_centred_product`): R about its mean eigenvalue,
+  Z = b R + c R² about b ρ + c tr(R²)/m, Q = α I + D about α + its own; and Q X is
+  applied as c X + (Q − c I) X, c X exact, with c the centre of `centering`. The means
+  are read from diagonals and sums of squares: gathered where the rows are split. R, Q
+  and every product are this part's rows (`blocks`).
   """
   eye = blocks.rows(jnp.eye(x.shape[-2], dtype=jnp.float32))
   folded = eye if fold else None
   alpha, d = 1.0, None  # Q = α I + D, set by the first step of the first segment
-  centers = []
 
   def apply(x, k):
     if fold:
       return _apply(alpha, d, x, mm, blocks, folded)
-    if not centers:
-      centers.extend(gram_centers(coeffs, parts, largest_eigenvalue(
-          blocks.gather(alpha * eye + d))))
-    c = centers[k]
+    q = alpha * eye + d
+    mean, square_mean = _means(blocks, _diagonal(q, eye), jnp.sum(q * q, axis=-1))
+    c = gram_center(mean, square_mean, last=k + 1 == len(parts))
     return _apply(c, d + (alpha - c) * eye, x, mm, blocks, None)
 
   for k, (start, stop) in enumerate(parts):
@@ -257,17 +278,29 @@ def _gram_iterate(x, r, coeffs, mm, mm_gram, parts, blocks: RowBlocks, fold: boo
     for i, (a, b, c) in enumerate(segment):
       if i:  # keep R symmetric as rounding drifts it
         r = 0.5 * (r + blocks.transposed(r))
-      z = _polynomial(r, b, c, mm_gram, blocks, folded)
-      p = a * eye + z
-      if fold:  # Q = D: P_0, then P_k Q
-        alpha, d = 0.0, p if i == 0 else blocks.product(p, d, mm_gram)
-      else:
-        alpha, d = (a, z) if i == 0 else (a * alpha, _kept(a * d + alpha * z
-                                                + blocks.product(z, d, mm_gram)))
-      if i + 1 < len(segment):
-        if i:  # after Q's product: one product's block rows live at a time, not two
-          p, r = after((p, r), d)
-        r = blocks.product(p, blocks.product(p, r, mm_gram), mm_gram)
+      if fold:
+        z = _polynomial(r, b, c, mm, blocks, folded)
+        p = a * eye + z
+        alpha, d = 0.0, p if i == 0 else blocks.product(p, d, mm)  # Q = D: P_0, P_k Q
+        if i + 1 < len(segment):
+          if i:  # after Q's product: one product's block rows live at a time, not two
+            p, r = after((p, r), d)
+          r = blocks.product(p, blocks.product(p, r, mm), mm)
+        continue
+      # R's and R²'s mean eigenvalues (tr R² = Σ R_ij², R symmetric), and D's.
+      rho, rho2, *delta = _means(blocks, _diagonal(r, eye), jnp.sum(r * r, axis=-1),
+                                 *([_diagonal(d, eye)] if i else []))
+      z = b * r if _static_zero(c) else _kept(
+          b * r + c * _centred_product(r, rho, r, rho, mm, blocks, eye))
+      zeta = b * rho + c * rho2
+      alpha, d = (a, z) if i == 0 else (a * alpha, _kept(
+          a * d + alpha * z + _centred_product(z, zeta, d, delta[0], mm, blocks, eye)))
+      if i + 1 < len(segment):  # R ← P (P R), P = a I + Z
+        if i:
+          z, r = after((z, r), d)
+        t = _kept(a * r + _centred_product(z, zeta, r, rho, mm, blocks, eye))
+        tau, = _means(blocks, _diagonal(t, eye))
+        r = _kept(a * t + _centred_product(z, zeta, t, tau, mm, blocks, eye))
   return apply(x, len(parts) - 1)
 
 
@@ -376,11 +409,7 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
   # With operands of 32 bits or more, a X + M X is applied as one product (`_apply`).
   fold = cdt.itemsize >= 4
   if plan.variant == "gram":
-    # The m×m products read operands of at least float16's 10 mantissa bits: bfloat16's
-    # 7 put the Gram-space state out of the band (benchmarks/results/newton_schulz_gram.txt).
-    wide = cdt if jnp.finfo(cdt).nmant >= 10 else acc
-    out = _gram_iterate(out, r, coeffs, mm, Matmul(wide, acc, precision), plan.segments,
-                        blocks, fold)
+    out = _gram_iterate(out, r, coeffs, mm, plan.segments, blocks, fold)
   else:
     eye = blocks.rows(jnp.eye(shape[0], dtype=acc)) if fold else None
     out = _standard_iterate(out, r, coeffs, mm, blocks, eye, plan.fp8_steps)

@@ -145,8 +145,9 @@ class NewtonSchulz:
     precondition: "frobenius", "aol", or None for the preset's own (a table: frobenius).
     compute_dtype: matmul operand dtype, or "auto": bfloat16 on GPU and TPU, float32 on
       CPU. Products accumulate in float32. float16 (on GPU) has 3 more bits than
-      bfloat16, enough for the Gram-space iteration to run as accurately as in float32
-      (`use_gram` picks it: benchmarks/results/newton_schulz_precision.txt).
+      bfloat16, enough for the Gram-space iteration to run as accurately as in float32;
+      with bfloat16 `use_gram` picks Gram space for turbo alone
+      (benchmarks/results/newton_schulz_precision.txt).
     precision: matmul precision, or "auto": HIGHEST on CPU, DEFAULT on accelerators.
     fp8_steps: how many of the first steps read their operands as float8 (e4m3), each
       matrix scaled by a power of two so that its largest entry is 128 to 256 (a Python
@@ -269,9 +270,9 @@ class NewtonSchulz:
 
 
 # "auto" operands per platform: float32 on CPU, bfloat16 elsewhere. On GPU, float16 (as
-# fast on tensor cores, 3 more bits) lets Gram space run as accurately as float32
-# (benchmarks/results/newton_schulz_precision.txt); it becomes the GPU default once its
-# convergence check (`--mode convergence` there) is in. float16 is not native on TPU.
+# fast on tensor cores, 3 more bits) lets Gram space run as accurately as float32, but
+# its convergence check trained worse on average than bfloat16's
+# (benchmarks/results/newton_schulz_precision.txt). float16 is not native on TPU.
 AUTO_DTYPES = {"cpu": jnp.float32, "gpu": jnp.bfloat16, "tpu": jnp.bfloat16}
 
 NS = Union[str, NewtonSchulz]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
 from muon_optax._newton_schulz.symmetric import symmetric_flops
 
 # Gram-space iteration: the m×m state is rebuilt from X before some steps (0-based).
@@ -30,8 +30,14 @@ GRAM_SEGMENT_STEPS = 4
 # one: the measured time crossover lies between 1.5 and 2, where flops alone would put
 # it near 1.25 (benchmarks/results/newton_schulz_gram.txt).
 GRAM_MIN_ASPECT = 2
-# ... and when the operands carry at least float16's mantissa bits (see `use_gram`).
+# ... and when the operands carry at least float16's mantissa bits, or bfloat16's for the
+# presets (at their own steps and scaling) whose bfloat16 Gram space, its products
+# centred, the table finds as near U Vᵀ as their bfloat16 standard iteration on the wide
+# classes (to 1.0002×, and trains no worse): turbo.
+# polar_express's diverges on some heavy-tailed inputs, and deepseek_v4's strays 1.16×
+# further on the workload GPT's gradients (benchmarks/results/newton_schulz_precision.txt).
 GRAM_MIN_MANTISSA = 10
+GRAM_BFLOAT16_PRESETS = ("turbo",)
 
 
 def gram_restarts(slopes: Optional[Sequence[float]], steps: int, compute_dtype: Any
@@ -67,20 +73,30 @@ def slopes_of(coeffs: Any) -> Optional[list[float]]:
   return [abs(float(a)) for a in np.asarray(coeffs)[:, 0]]
 
 
-def use_gram(m: int, n: int, steps: int, gram: Optional[bool], compute_dtype: Any) -> bool:
+def use_gram(m: int, n: int, steps: int, gram: Optional[bool], compute_dtype: Any,
+             bfloat16: bool = False) -> bool:
   """Whether the iteration on an m×n matrix runs in Gram space.
 
   `gram=None` (automatic) picks it when max(m, n) ≥ GRAM_MIN_ASPECT · min(m, n),
   steps ≥ 2 and the compute dtype has at least float16's 10 mantissa bits: float16
-  operands, restarted every 2 steps, stay as close to U Vᵀ as float32 ones, where
-  bfloat16's 7 bits put the Gram-space iteration measurably further from it than the
-  standard one (benchmarks/results/newton_schulz_precision.txt).
+  operands, restarted every 2 steps, stay as close to U Vᵀ as float32 ones. bfloat16's
+  7 bits qualify where `bfloat16` says the settings were measured in bfloat16 Gram space
+  (`bfloat16_gram_measured`).
   """
   if gram is not None:
     return bool(gram)
   m, n = min(m, n), max(m, n)
+  mantissa = jnp.finfo(compute_dtype).nmant
   return (steps >= 2 and n >= GRAM_MIN_ASPECT * m
-          and jnp.finfo(compute_dtype).nmant >= GRAM_MIN_MANTISSA)
+          and (mantissa >= GRAM_MIN_MANTISSA
+               or (bfloat16 and jnp.dtype(compute_dtype) == jnp.bfloat16)))
+
+
+def bfloat16_gram_measured(ns: NewtonSchulz) -> bool:
+  """Whether `ns` is one of GRAM_BFLOAT16_PRESETS at its own steps and scaling."""
+  return (isinstance(ns.coeffs, str) and ns.coeffs in GRAM_BFLOAT16_PRESETS
+          and ns.steps in (None, ns.preset.steps)
+          and ns.precondition in (None, ns.preset.precondition))
 
 
 def whole_product_flops(m: int, k: int) -> int:
@@ -173,7 +189,8 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
   quintic = quintic_steps(coeffs)
   product = (functools.partial(symmetric_flops, backend=backend) if symmetric
              else whole_product_flops)
-  if not ns.fp8_steps and use_gram(m, n, steps, ns.gram, dtype):
+  if not ns.fp8_steps and use_gram(m, n, steps, ns.gram, dtype,
+                                   bfloat16_gram_measured(ns)):
     parts = tuple(segments(steps, gram_restarts(slopes_of(coeffs), steps, dtype)))
     variant, flops = "gram", gram_flops(m, n, parts, quintic, product)
   else:

@@ -167,14 +167,15 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
   count = norm + gram * grams + aol  # the Gram sums, AOL's gathered scale
   if plan.variant == "standard":
     return count + plan.steps * (product + apply)
-  # With 16-bit operands P = a I + b R + c R R reads R whole, as the next R's product
-  # does: where products are whole, one gather serves both; and the first segment's Q
-  # is gathered once, for the estimate the centre of each Q X is read from
-  # (`centering`).
+  # With 16-bit operands each product reads centred operands (`_centred_product`): R's
+  # centred copy serves R R and Z R, one gather where products are whole; the centres
+  # are means gathered once a step (R's, D's), once more where R is updated (P R's),
+  # and once for each Q X (`centering`).
   sixteen = jnp.dtype(plan.compute_dtype).itemsize < 4
   shared = sixteen and product == 1
   for start, stop in plan.segments:  # each step forms P; all but one also Rᵀ, Q, next R
     steps = stop - start
     count += (apply * (start > 0) + steps * product
-              + (steps - 1) * (1 + 3 * product - shared))
-  return count + apply + sixteen
+              + (steps - 1) * (1 + 3 * product - shared)
+              + sixteen * (steps + (steps - 1) + 1))
+  return count + apply
