@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -225,6 +226,15 @@ def polar_error(out: Any, polar: np.ndarray) -> float:
   """‖O − U Vᵀ‖_F / ‖U Vᵀ‖_F over the whole stack."""
   o = np.asarray(out, np.float64).reshape(polar.shape)
   return float(np.linalg.norm(o - polar) / np.linalg.norm(polar))
+
+
+def traced_for(backend: str, fn: Callable, *specs: Any) -> Any:
+  """`jax.jit(fn)` traced for `specs` as on `backend`: while tracing, jax's default
+  backend reads `backend`, so that what the library picks per platform at trace time
+  (the block rows of symmetric products) is the target's when a program is compiled
+  here for another platform (the offline TPU compiler). Lower and compile the result."""
+  with mock.patch.object(jax, "default_backend", lambda: backend):
+    return jax.jit(fn).trace(*specs)
 
 
 def header(module: str, argv: Optional[Sequence[str]] = None) -> str:

@@ -13,9 +13,10 @@ prints the polar error ‖NS(G) − U Vᵀ‖_F / ‖U Vᵀ‖_F against a float
 max over the matrices) and the smallest and largest singular value after the iteration,
 and how many matrices diverged (overflowed), whose figures are left out of the others.
 `--mode flops`: XLA's compiled flops of each setting on one matrix of Llama-3-8B's
-shapes, on this CPU and from the TPU compiler (v5p, offline), and the bfloat16 passes
-per flop as the planner prices them. `--mode time`: min and median seconds of N interleaved calls
-on a stack of `--count` matrices, on jax's default backend (a GPU where there is one).
+shapes, on this CPU and from the TPU compiler (v5p, offline), the bfloat16 passes
+per flop as the planner prices them, and the v5p program's HBM bytes accessed.
+`--mode time`: min and median seconds of N interleaved calls on a stack of `--count`
+matrices, on jax's default backend (a GPU where there is one).
 `--mode convergence`: the workload GPT's final validation loss (2×64, its defaults) with
 mo.muon and each arm's Newton–Schulz settings (`CONVERGENCE_ARMS`), per seed.
 Rows are appended to `--out` (JSON lines) and skipped when already there (resumable);
@@ -43,7 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import muon_optax as mo
-from benchmarks.common import LoadWatch, header, min_median, parse_shapes, time_interleaved
+from benchmarks.common import (
+    LoadWatch,
+    header,
+    min_median,
+    parse_shapes,
+    time_interleaved,
+    traced_for,
+)
 
 PRECISIONS = ("float32", "bfloat16", "float16", "fp8")
 VARIANTS = ("standard", "gram")
@@ -129,7 +137,8 @@ def measure(x: np.ndarray, polar: np.ndarray, ns: mo.NewtonSchulz) -> dict[str, 
           "sigma_max": float(sigma.max())}
 
 
-def tpu_flops(ns: mo.NewtonSchulz, shape: tuple[int, int]) -> float:
+def tpu_cost(ns: mo.NewtonSchulz, shape: tuple[int, int]) -> dict[str, float]:
+  """The v5p compiler's flops and HBM bytes accessed of one matrix's iteration."""
   from jax.experimental import topologies
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -137,12 +146,17 @@ def tpu_flops(ns: mo.NewtonSchulz, shape: tuple[int, int]) -> float:
   spec = jax.ShapeDtypeStruct(shape, jnp.float32,
                               sharding=NamedSharding(Mesh(np.asarray([chip]), ("x",)), P()))
   ns = ns.on("tpu")
-  return compiled_flops(jax.jit(lambda a: mo.newton_schulz(a, ns)).lower(spec))
+  analysis = cost_analysis(traced_for("tpu", lambda a: mo.newton_schulz(a, ns), spec).lower())
+  return {"flops": float(analysis["flops"]), "bytes": float(analysis["bytes accessed"])}
+
+
+def cost_analysis(lowered) -> dict[str, Any]:
+  analysis = lowered.compile().cost_analysis()
+  return analysis[0] if isinstance(analysis, (list, tuple)) else analysis
 
 
 def compiled_flops(lowered) -> float:
-  analysis = lowered.compile().cost_analysis()
-  return float((analysis[0] if isinstance(analysis, (list, tuple)) else analysis)["flops"])
+  return float(cost_analysis(lowered)["flops"])
 
 
 def cells(args) -> list[tuple[str, str, str]]:
@@ -198,12 +212,13 @@ def run_flops(args, out: pathlib.Path, done: set[str]) -> None:
       cpu = compiled_flops(jax.jit(lambda a, ns=ns: mo.newton_schulz(a, ns)).lower(
           jax.ShapeDtypeStruct(shape, jnp.float32)))
       try:
-        tpu = tpu_flops(ns, shape)
+        tpu = tpu_cost(ns, shape)
       except (ImportError, RuntimeError) as e:  # no libtpu here
-        tpu = None
+        tpu = {"flops": None, "bytes": None}
         print(f"no TPU compiler: {e}")
       plan = mo.newton_schulz_plan(shape, ns.on("tpu"), backend="tpu")
-      append(out, {"key": key, "shape": list(shape), "cpu_flops": cpu, "tpu_flops": tpu,
+      append(out, {"key": key, "shape": list(shape), "cpu_flops": cpu, "tpu_flops": tpu["flops"],
+                   "tpu_bytes": tpu["bytes"],
                    "variant_run": plan.variant, "passes": bf16_passes(ns)})
 
 
@@ -280,14 +295,15 @@ def table(rows: list[dict[str, Any]]) -> str:
   flops = [r for r in rows if r["key"].startswith("flops")]
   if flops:
     lines += ["", "| shape | preset | precision | variant | CPU flops | TPU v5p flops | "
-              "passes | TPU 16-bit passes |", "|---" * 8 + "|"]
+              "passes | TPU 16-bit passes | TPU v5p GB accessed |", "|---" * 9 + "|"]
     for r in flops:
       _, shape, preset, precision, variant = r["key"].split()
-      tpu = r["tpu_flops"]
+      tpu, hbm = r["tpu_flops"], r.get("tpu_bytes")  # rows before the bytes: "—"
       tpu_text, passes_text = (("—", "—") if tpu is None else
                                (f"{tpu:.3e}", f"{tpu * r['passes']:.3e}"))
       lines.append(f"| {shape} | {preset} | {precision} | {variant} ({r['variant_run']}) | "
-                   f"{r['cpu_flops']:.3e} | {tpu_text} | {r['passes']} | {passes_text} |")
+                   f"{r['cpu_flops']:.3e} | {tpu_text} | {r['passes']} | {passes_text} | "
+                   f"{'—' if hbm is None else f'{hbm / 1e9:.2f}'} |")
   timed = [r for r in rows if r["key"].startswith("time")]
   if timed:
     lines += ["", "| backend | shape × count | preset | precision | variant | min ms | "

@@ -12,9 +12,10 @@ largest difference from the whole product relative to max |X Xᵀ| (products), o
 polar error ‖O − U Vᵀ‖_F / ‖U Vᵀ‖_F against the float64 SVD (Newton–Schulz). The load
 while each shape ran, and whether the machine was busy, follow its rows.
 
-Compile-only shapes (`--flops-only`) give the compiled flops alone, on the CPU, or on
-the offline TPU v5p compiler with the TPU defaults (`--platform tpu`, where libtpu is
-installed; bfloat16 operands, so standard iterations).
+Compile-only shapes (`--flops-only`) give the compiled flops and HBM bytes accessed, on
+the CPU, or on the offline TPU v5p compiler with the TPU defaults (`--platform tpu`,
+where libtpu is installed), there with the roofline time of a v5p chip: the longer of
+the flops at its bfloat16 peak and the bytes at its HBM bandwidth (`ROOFLINE`).
 
     python -m benchmarks.newton_schulz_symmetric [--reps 9] [--shapes 768x768,...]
     python -m benchmarks.newton_schulz_symmetric --shapes "" --platform tpu
@@ -34,7 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import muon_optax as mo
-from benchmarks.common import LoadWatch, header, min_median, parse_shapes, time_interleaved
+from benchmarks.common import (
+    LoadWatch,
+    header,
+    min_median,
+    parse_shapes,
+    time_interleaved,
+    traced_for,
+)
+from benchmarks.train_step import ROOFLINE
 from muon_optax._newton_schulz import symmetric
 from muon_optax._newton_schulz.iteration import Matmul
 
@@ -63,16 +72,29 @@ def whole_products():
 
 
 def compiled(fn, x, whole: bool, device=None):
-  """fn jitted and compiled for x (a shape on `device` when given), whole or symmetric."""
-  spec = x if device is None else jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+  """fn jitted and compiled for x (a shape on `device` when given, traced as on its
+  platform), whole or symmetric."""
   with whole_products() if whole else contextlib.nullcontext():
-    return jax.jit(fn).lower(spec).compile()
+    if device is None:
+      return jax.jit(fn).lower(x).compile()
+    spec = jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=jax.sharding.SingleDeviceSharding(device))
+    return traced_for(device.platform, fn, spec).lower().compile()
+
+
+def cost(exe) -> dict:
+  analysis = exe.cost_analysis()
+  return analysis[0] if isinstance(analysis, list) else analysis
 
 
 def flops(exe) -> float:
-  cost = exe.cost_analysis()
-  return (cost[0] if isinstance(cost, list) else cost)["flops"]
+  return cost(exe)["flops"]
+
+
+def roofline_ms(exe) -> float:
+  """A v5p chip's time for the program by the roofline of its flops and HBM bytes
+  (`ROOFLINE`: the longer of the two, as if each overlapped the other)."""
+  return 1e3 * max(flops(exe) / ROOFLINE["flops"], cost(exe)["bytes accessed"] / ROOFLINE["hbm"])
 
 
 def product_arms(blocks: Sequence[int]) -> dict[str, tuple]:
@@ -138,8 +160,12 @@ def flops_rows(shape, blocks: Sequence[int], platform: str) -> None:
   exes = {arm: compiled(fn, x, whole, chip) for arm, (fn, whole) in group.items()}
   for arm, exe in exes.items():
     base = arm.replace("symmetric", "whole products") if "newton" in arm else "X Xᵀ whole"
+    hbm = cost(exe)["bytes accessed"]
+    roofline = (f"{roofline_ms(exe):.2f} | {roofline_ms(exe) / roofline_ms(exes[base]):.3f}"
+                if platform == "tpu" else "— | —")
     print(f"| {label} | {name} | {arm} | {flops(exe) / 1e9:.1f} | "
-          f"{flops(exe) / flops(exes[base]):.3f} |", flush=True)
+          f"{flops(exe) / flops(exes[base]):.3f} | {hbm / 1e9:.2f} | "
+          f"{hbm / cost(exes[base])['bytes accessed']:.3f} | {roofline} |", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -155,7 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for shape in parse_shapes(args.shapes):
       timed_rows(shape, args.reps, blocks)
   if args.flops_only:
-    print("\n| shape | compiled for | arm | GFLOP (compiled) | / whole |\n|---|---|---|--:|--:|")
+    print("\n| shape | compiled for | arm | GFLOP (compiled) | / whole | GB accessed | / whole | "
+          "v5p roofline ms | / whole |\n|---|---|---|--:|--:|--:|--:|--:|--:|")
     for shape in parse_shapes(args.flops_only):
       flops_rows(shape, blocks, args.platform)
 

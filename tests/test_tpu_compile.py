@@ -208,5 +208,5 @@ def test_a_tpu_mesh_forms_its_products_whole(chips):
   mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
   ns = mo.NewtonSchulz().on("tpu")
   whole = mo.newton_schulz_plan((512, 1024), ns, backend="tpu", symmetric=False).flops
-  assert mo.newton_schulz_plan((512, 1024), ns, backend="tpu").flops < 0.9 * whole
+  assert mo.newton_schulz_plan((512, 1024), ns, backend="tpu").flops < 0.95 * whole  # X Xᵀ cut
   assert whole <= mesh_update_flops(mesh) <= 1.02 * whole

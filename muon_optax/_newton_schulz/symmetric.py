@@ -32,19 +32,26 @@ MAX_BLOCKS = 8
 # (benchmarks/results/accelerator_h200.txt against its first run), as narrow strips
 # fill few of its multiprocessors.
 WHOLE_PRODUCTS_ON = ("gpu",)
+# Platforms that cut X Xᵀ alone and form the products of two m×m matrices whole: on a
+# v5p chip the block rows' copies of m×m float32 operands cost more HBM bytes than
+# their flops save, while X Xᵀ's rows of the m×n X pay for theirs (the v5p roofline
+# rows of benchmarks/results/newton_schulz_symmetric.txt).
+WHOLE_SQUARE_PRODUCTS_ON = ("tpu",)
 
 
-def block_count(m: int, backend: Optional[str] = None) -> int:
+def block_count(m: int, backend: Optional[str] = None, *, square: bool = False) -> int:
   """How many block rows a symmetric m×m product is cut into on `backend` (default:
-  jax's; 1: the whole product)."""
-  if (backend or jax.default_backend()) in WHOLE_PRODUCTS_ON:
+  jax's; 1: the whole product): X Xᵀ, or with `square` a product of two m×m matrices."""
+  backend = backend or jax.default_backend()
+  if backend in WHOLE_PRODUCTS_ON or (square and backend in WHOLE_SQUARE_PRODUCTS_ON):
     return 1
   return max(1, min(m // MIN_BLOCK_ROWS, MAX_BLOCKS))
 
 
-def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None) -> list[int]:
+def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None,
+          square: bool = False) -> list[int]:
   """Block row boundaries 0 = c_0 < … < c_b = m, blocks of equal size but the last."""
-  blocks = block_count(m, backend) if blocks is None else blocks
+  blocks = block_count(m, backend, square=square) if blocks is None else blocks
   if not 1 <= blocks <= m:
     raise ValueError(f"a symmetric product of {m} rows takes 1 to {m} block rows, got {blocks}")
   size = -(-m // blocks)
@@ -52,19 +59,20 @@ def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None) -> list[
 
 
 def symmetric_flops(m: int, k: int, blocks: Optional[int] = None,
-                    backend: Optional[str] = None) -> int:
-  """Matmul flops of an m×m symmetric product with inner dimension k, as computed here
-  on `backend` (2m²k when it is computed whole)."""
-  cuts = _cuts(m, blocks, backend)
+                    backend: Optional[str] = None, *, square: bool = False) -> int:
+  """Matmul flops of an m×m symmetric product with inner dimension k (with `square`: of
+  two m×m matrices, not X Xᵀ), as computed here on `backend` (2m²k when whole)."""
+  cuts = _cuts(m, blocks, backend, square)
   return sum(2 * (stop - start) * k * (m - start) for start, stop in zip(cuts[:-1], cuts[1:]))
 
 
 def symmetric_product(a: jax.Array, b: jax.Array,
                       matmul: Callable[[jax.Array, jax.Array], jax.Array],
-                      blocks: Optional[int] = None) -> jax.Array:
+                      blocks: Optional[int] = None, *, square: bool = True) -> jax.Array:
   """`matmul(a, b)` for (..., m, k) `a` and (..., k, m) `b` whose product is symmetric
   (the caller knows: X Xᵀ, or two commuting symmetric matrices), from its upper block
-  triangle in (at most) `blocks` block rows, default `block_count`. Each block row is
+  triangle in (at most) `blocks` block rows, default `block_count`'s (`square`: a
+  product of two m×m matrices; `symmetric_gram` passes False). Each block row is
   `matmul` of a's rows and b's columns from the diagonal on, one after another, so that
   one block row's copies of them are live at a time; its blocks left of the diagonal are
   the transposes of those above it (exactly symmetric; the diagonal blocks, computed
@@ -72,7 +80,7 @@ def symmetric_product(a: jax.Array, b: jax.Array,
   m = a.shape[-2]
   if b.shape[-1] != m:
     raise ValueError(f"a symmetric product is square: a has {m} rows, b {b.shape[-1]} columns")
-  cuts = _cuts(m, blocks)
+  cuts = _cuts(m, blocks, square=square)
   if len(cuts) == 2:
     return matmul(a, b)
   spans = list(zip(cuts[:-1], cuts[1:]))
@@ -90,4 +98,4 @@ def symmetric_product(a: jax.Array, b: jax.Array,
 def symmetric_gram(x: jax.Array, matmul: Callable[[jax.Array, jax.Array], jax.Array],
                    blocks: Optional[int] = None) -> jax.Array:
   """X Xᵀ of (..., m, n) `x` by `symmetric_product`."""
-  return symmetric_product(x, jnp.swapaxes(x, -1, -2), matmul, blocks)
+  return symmetric_product(x, jnp.swapaxes(x, -1, -2), matmul, blocks, square=False)
