@@ -79,3 +79,31 @@ def test_m_x_is_formed_in_blocks_only_where_the_gathered_m_is_larger_than_x_s_pa
   assert apply_chunks(rows, 2047, 4, operand_bytes=2) == PRODUCT_CHUNKS
   assert apply_chunks(rows, 1024, 2048) == 2  # never more blocks than a part's rows allow
   assert apply_chunks(CHUNKED_ABOVE_ROWS, 16, 4) == 1  # a small M: whole (`most_product_chunks`)
+
+
+def test_a_shared_matrix_keeps_16_bit_operands_out_of_gram_space():
+  """Gram space's centred m×m copies, gathered and held beside a shared matrix's part,
+  outgrow the memory cap (docs/mesh_results.md): with 16-bit operands and the variant
+  automatic, a split matrix runs the standard iteration, as priced and as traced."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+
+  from muon_optax._newton_schulz.iteration import newton_schulz_column_parts
+  from muon_optax._newton_schulz.variant import shared_settings
+  tpu = mo.NewtonSchulz().on("tpu")
+  standard, gram = (dataclasses.replace(tpu, gram=g) for g in (False, True))
+  assert shared_settings(tpu) == standard
+  assert shared_settings(gram) == gram and shared_settings(mo.NewtonSchulz().on("cpu")).gram is None
+  assert mo.newton_schulz_plan((256, 1024), tpu).variant == "gram"  # whole: Gram space
+  assert split_flops(256, 1024, 2, tpu) == split_flops(256, 1024, 2, standard)
+  assert split_flops(256, 1024, 2, tpu) != split_flops(256, 1024, 2, gram)
+
+  def products(ns):
+    reduce = lambda v, op: jax.lax.psum(v, "p") if op is jnp.add else jax.lax.pmax(v, "p")
+    fn = jax.vmap(lambda part: newton_schulz_column_parts(part, 2, reduce, ns), axis_name="p")
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones((2, 256, 512), jnp.float32))
+    return str(jaxpr).count("dot_general")
+
+  assert products(tpu) == products(standard) != products(gram)

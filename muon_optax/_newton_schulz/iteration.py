@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from muon_optax._newton_schulz.centering import gram_center
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
 from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
-from muon_optax._newton_schulz.variant import newton_schulz_plan
+from muon_optax._newton_schulz.variant import newton_schulz_plan, shared_settings
 from muon_optax._util.order import after
 
 
@@ -375,13 +375,15 @@ def newton_schulz_column_parts(x: jax.Array, parts: int, reduce: Reduce,
   `reduce(partial, op)` combines a per-part result over the parts (op `jnp.add` or
   `jnp.maximum`). Every sum over columns (norms, X Xᵀ) goes through it; the rest of
   the iteration is column-local, so each part of the result is that part of the whole
-  matrix's result, with the same variant and settings as `newton_schulz` picks.
+  matrix's result, with the settings `newton_schulz` picks but where `shared_settings`
+  keeps 16-bit operands out of Gram space.
   `rows` (`RowBlocks`) splits the m×m matrices and products by rows over the parts too,
   so that each part does 1/parts of all the work; without it every part holds them
   whole (`whole_rows`) and forms its products whole, as a mesh does (see
   `newton_schulz_whole_products`)."""
   m, cols = x.shape[-2:]
-  return _orthogonalize_wide(x, (m, cols * parts), reduce, as_newton_schulz(ns),
+  ns = as_newton_schulz(ns) if parts == 1 else shared_settings(as_newton_schulz(ns))
+  return _orthogonalize_wide(x, (m, cols * parts), reduce, ns,
                              rows or whole_rows(reduce, blocks=1))
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from muon_optax._newton_schulz.settings import NewtonSchulz
-from muon_optax._newton_schulz.variant import newton_schulz_plan
+from muon_optax._newton_schulz.variant import newton_schulz_plan, shared_settings
 from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE  # noqa: F401  (the price's home is MeshLayout's default)
 
 
@@ -29,7 +29,8 @@ def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   products by rows when `rows_split`, else repeated on each device. Counted with whole
   products throughout: a mesh's row blocks compute them so, and whole and split matrices
   are weighed alike (a whole matrix's symmetric products save it about a quarter)."""
-  plan = newton_schulz_plan((rows, cols), ns, symmetric=False)
+  plan = newton_schulz_plan((rows, cols), ns if split == 1 else shared_settings(ns),
+                            symmetric=False)
   if rows_split(rows, split):
     return plan.flops // split
   return plan.flops - plan.x_flops + plan.x_flops // split
@@ -155,6 +156,7 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
   whole: one all-reduce per Gram sum."""
   if split == 1:
     return 0
+  ns = shared_settings(ns)
   plan = newton_schulz_plan((rows, cols), ns)
   aol = plan.precondition == "aol"
   norm = 1 if aol else 2  # its peak; without AOL, then its sum of squares
