@@ -228,6 +228,13 @@ def polar_error(out: Any, polar: np.ndarray) -> float:
   return float(np.linalg.norm(o - polar) / np.linalg.norm(polar))
 
 
+def cost_analysis(compiled: Any) -> dict[str, Any]:
+  """XLA's cost analysis of a compiled program (flops, "bytes accessed"), one dict
+  whether jax returns it alone or as a one-element list."""
+  analysis = compiled.cost_analysis()
+  return analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+
+
 def traced_for(backend: str, fn: Callable, *specs: Any) -> Any:
   """`jax.jit(fn)` traced for `specs` as on `backend`: while tracing, jax's default
   backend reads `backend`, so that what the library picks per platform at trace time

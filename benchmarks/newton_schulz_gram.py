@@ -34,6 +34,7 @@ import muon_optax as mo
 import muon_optax._newton_schulz.variant as ns_plan
 from benchmarks.common import (
   LoadWatch,
+  cost_analysis,
   header,
   min_median,
   parse_shapes,
@@ -119,9 +120,7 @@ def restarts_table(shapes, dtypes) -> None:
 
 
 def compiled_flops(fn, x) -> float:
-  analysis = jax.jit(fn).lower(x).compile().cost_analysis()
-  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-  return analysis["flops"]
+  return cost_analysis(jax.jit(fn).lower(x).compile())["flops"]
 
 
 def crossover_table(m: int, aspects, preset: str, reps: int) -> None:

@@ -44,14 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import muon_optax as mo
-from benchmarks.common import (
-    LoadWatch,
-    header,
-    min_median,
-    parse_shapes,
-    time_interleaved,
-    traced_for,
-)
+from benchmarks import common
+from benchmarks.common import LoadWatch, header, min_median, parse_shapes, time_interleaved
 
 PRECISIONS = ("float32", "bfloat16", "float16", "fp8")
 VARIANTS = ("standard", "gram")
@@ -146,17 +140,13 @@ def tpu_cost(ns: mo.NewtonSchulz, shape: tuple[int, int]) -> dict[str, float]:
   spec = jax.ShapeDtypeStruct(shape, jnp.float32,
                               sharding=NamedSharding(Mesh(np.asarray([chip]), ("x",)), P()))
   ns = ns.on("tpu")
-  analysis = cost_analysis(traced_for("tpu", lambda a: mo.newton_schulz(a, ns), spec).lower())
+  analysis = common.cost_analysis(common.traced_for(
+      "tpu", lambda a: mo.newton_schulz(a, ns), spec).lower().compile())
   return {"flops": float(analysis["flops"]), "bytes": float(analysis["bytes accessed"])}
 
 
-def cost_analysis(lowered) -> dict[str, Any]:
-  analysis = lowered.compile().cost_analysis()
-  return analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-
-
 def compiled_flops(lowered) -> float:
-  return float(cost_analysis(lowered)["flops"])
+  return float(common.cost_analysis(lowered.compile())["flops"])
 
 
 def cells(args) -> list[tuple[str, str, str]]:

@@ -35,14 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import muon_optax as mo
-from benchmarks.common import (
-    LoadWatch,
-    header,
-    min_median,
-    parse_shapes,
-    time_interleaved,
-    traced_for,
-)
+from benchmarks import common
+from benchmarks.common import LoadWatch, header, min_median, parse_shapes, time_interleaved
 from benchmarks.train_step import ROOFLINE
 from muon_optax._newton_schulz import symmetric
 from muon_optax._newton_schulz.iteration import Matmul
@@ -79,22 +73,18 @@ def compiled(fn, x, whole: bool, device=None):
       return jax.jit(fn).lower(x).compile()
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype,
                                 sharding=jax.sharding.SingleDeviceSharding(device))
-    return traced_for(device.platform, fn, spec).lower().compile()
-
-
-def cost(exe) -> dict:
-  analysis = exe.cost_analysis()
-  return analysis[0] if isinstance(analysis, list) else analysis
+    return common.traced_for(device.platform, fn, spec).lower().compile()
 
 
 def flops(exe) -> float:
-  return cost(exe)["flops"]
+  return common.cost_analysis(exe)["flops"]
 
 
 def roofline_ms(exe) -> float:
   """A v5p chip's time for the program by the roofline of its flops and HBM bytes
   (`ROOFLINE`: the longer of the two, as if each overlapped the other)."""
-  return 1e3 * max(flops(exe) / ROOFLINE["flops"], cost(exe)["bytes accessed"] / ROOFLINE["hbm"])
+  hbm = common.cost_analysis(exe)["bytes accessed"]
+  return 1e3 * max(flops(exe) / ROOFLINE["flops"], hbm / ROOFLINE["hbm"])
 
 
 def product_arms(blocks: Sequence[int]) -> dict[str, tuple]:
@@ -160,12 +150,12 @@ def flops_rows(shape, blocks: Sequence[int], platform: str) -> None:
   exes = {arm: compiled(fn, x, whole, chip) for arm, (fn, whole) in group.items()}
   for arm, exe in exes.items():
     base = arm.replace("symmetric", "whole products") if "newton" in arm else "X Xᵀ whole"
-    hbm = cost(exe)["bytes accessed"]
+    hbm = common.cost_analysis(exe)["bytes accessed"]
     roofline = (f"{roofline_ms(exe):.2f} | {roofline_ms(exe) / roofline_ms(exes[base]):.3f}"
                 if platform == "tpu" else "— | —")
     print(f"| {label} | {name} | {arm} | {flops(exe) / 1e9:.1f} | "
           f"{flops(exe) / flops(exes[base]):.3f} | {hbm / 1e9:.2f} | "
-          f"{hbm / cost(exes[base])['bytes accessed']:.3f} | {roofline} |", flush=True)
+          f"{hbm / common.cost_analysis(exes[base])['bytes accessed']:.3f} | {roofline} |", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

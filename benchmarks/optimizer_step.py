@@ -46,6 +46,7 @@ from benchmarks.common import (
   VOCAB,
   D,
   LoadWatch,
+  cost_analysis,
   gpt2_tree,
   header,
   kernels,
@@ -96,8 +97,8 @@ def compiled_gflops(args, params, grads) -> dict[str, str]:
   out = {}
   for name, tx in arms_of(args, params).items():
     state = jax.eval_shape(tx.init, params)
-    cost = jax.jit(tx.update).lower(grads, state, params).compile().cost_analysis()
-    out[name] = f"{(cost[0] if isinstance(cost, list) else cost)['flops'] / 1e9:.1f}"
+    cost = cost_analysis(jax.jit(tx.update).lower(grads, state, params).compile())
+    out[name] = f"{cost['flops'] / 1e9:.1f}"
   return out
 
 

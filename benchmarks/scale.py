@@ -174,6 +174,7 @@ def measure(model: str, layout: str, arm: str, devices, platform: str,
   from jax.sharding import PartitionSpec as P
 
   import muon_optax as mo
+  from benchmarks.common import cost_analysis
   from benchmarks.hlo import collective_ops, collective_stats
   mesh, data_axis = _mesh(devices, layout)
   n = mesh.size
@@ -207,8 +208,7 @@ def measure(model: str, layout: str, arm: str, devices, platform: str,
   exchange = sum(b for op, g, b, name in ops if not shared(name)
                  and (op == "all-to-all" or (op == "all-gather" and g == n)))
   split_work = sum(b for _, _, b, name in ops if shared(name))
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
+  cost = cost_analysis(compiled)
   row = {"model": model, "layers": layers or MODELS[model][0], "layout": layout, "arm": arm,
          "exchanges": exchanges if arm == "muon_optax" else None,
          "platform": platform, "devices": n, "compile_s": round(seconds, 1),

@@ -262,6 +262,7 @@ def collectives(text: str) -> dict[str, dict[str, list]]:
 def measure(model: str, layout: str, arm: str, devices: Sequence[Any], platform: str,
             seq: int, tokens: int) -> dict[str, Any]:
   """Compiles one whole step and reads its figures (see the module doc)."""
+  from benchmarks.common import cost_analysis
   from workload.llama import model_flops
   cfg = model_config(model)
   mesh = make_mesh(devices, layout, cfg)
@@ -270,8 +271,7 @@ def measure(model: str, layout: str, arm: str, devices: Sequence[Any], platform:
   start = time.perf_counter()
   compiled = lowered.compile()
   seconds = time.perf_counter() - start
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
+  cost = cost_analysis(compiled)
   memory = compiled.memory_analysis()
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
