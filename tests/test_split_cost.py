@@ -94,8 +94,9 @@ def test_a_shared_matrix_keeps_16_bit_operands_out_of_gram_space():
   from muon_optax._newton_schulz.variant import shared_settings
   tpu = mo.NewtonSchulz().on("tpu")
   standard, gram = (dataclasses.replace(tpu, gram=g) for g in (False, True))
-  assert shared_settings(tpu) == standard
-  assert shared_settings(gram) == gram and shared_settings(mo.NewtonSchulz().on("cpu")).gram is None
+  assert shared_settings(tpu, 2) == standard and shared_settings(tpu, 1) == tpu
+  assert shared_settings(gram, 2) == gram
+  assert shared_settings(mo.NewtonSchulz().on("cpu"), 2).gram is None
   assert mo.newton_schulz_plan((256, 1024), tpu).variant == "gram"  # whole: Gram space
   assert split_flops(256, 1024, 2, tpu) == split_flops(256, 1024, 2, standard)
   assert split_flops(256, 1024, 2, tpu) != split_flops(256, 1024, 2, gram)

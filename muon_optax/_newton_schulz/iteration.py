@@ -382,8 +382,8 @@ def newton_schulz_column_parts(x: jax.Array, parts: int, reduce: Reduce,
   whole (`whole_rows`) and forms its products whole, as a mesh does (see
   `newton_schulz_whole_products`)."""
   m, cols = x.shape[-2:]
-  ns = as_newton_schulz(ns) if parts == 1 else shared_settings(as_newton_schulz(ns))
-  return _orthogonalize_wide(x, (m, cols * parts), reduce, ns,
+  return _orthogonalize_wide(x, (m, cols * parts), reduce,
+                             shared_settings(as_newton_schulz(ns), parts),
                              rows or whole_rows(reduce, blocks=1))
 
 

@@ -100,13 +100,14 @@ def bfloat16_gram_measured(ns: NewtonSchulz) -> bool:
           and ns.precondition in (None, ns.preset.precondition))
 
 
-def shared_settings(ns: NewtonSchulz) -> NewtonSchulz:
-  """The settings of a matrix shared by several devices (`newton_schulz_column_parts`):
-  with 16-bit operands and the variant left automatic, the standard iteration. There
+def shared_settings(ns: NewtonSchulz, devices: int) -> NewtonSchulz:
+  """The settings of a matrix shared by `devices` devices (`newton_schulz_column_parts`):
+  `ns` on one; on more, with 16-bit operands and the variant left automatic, the
+  standard iteration. There
   Gram space's centred m×m copies are gathered and held beside the matrix's part, past
   what the memory cap prices (v5p, Llama-3-8B on 256 chips: 2.58× the state shard,
   against the standard iteration's 1.94×)."""
-  if ns.fn is None and ns.gram is None and ns.dtype().itemsize < 4:
+  if devices > 1 and ns.fn is None and ns.gram is None and ns.dtype().itemsize < 4:
     return dataclasses.replace(ns, gram=False)
   return ns
 

@@ -29,8 +29,7 @@ def split_flops(rows: int, cols: int, split: int, ns: NewtonSchulz) -> int:
   products by rows when `rows_split`, else repeated on each device. Counted with whole
   products throughout: a mesh's row blocks compute them so, and whole and split matrices
   are weighed alike (a whole matrix's symmetric products save it about a quarter)."""
-  plan = newton_schulz_plan((rows, cols), ns if split == 1 else shared_settings(ns),
-                            symmetric=False)
+  plan = newton_schulz_plan((rows, cols), shared_settings(ns, split), symmetric=False)
   if rows_split(rows, split):
     return plan.flops // split
   return plan.flops - plan.x_flops + plan.x_flops // split
@@ -156,7 +155,7 @@ def split_collectives(rows: int, cols: int, split: int, ns: NewtonSchulz,
   whole: one all-reduce per Gram sum."""
   if split == 1:
     return 0
-  ns = shared_settings(ns)
+  ns = shared_settings(ns, split)
   plan = newton_schulz_plan((rows, cols), ns)
   aol = plan.precondition == "aol"
   norm = 1 if aol else 2  # its peak; without AOL, then its sum of squares
