@@ -39,7 +39,7 @@ from benchmarks import common
 from benchmarks.common import LoadWatch, header, min_median, parse_shapes, time_interleaved
 from benchmarks.train_step import ROOFLINE
 from muon_optax._newton_schulz import symmetric
-from muon_optax._newton_schulz.iteration import Matmul
+from muon_optax._newton_schulz.operands import Matmul
 
 GPT2 = "768x768,768x2304,768x3072,3072x768"
 LLAMA = "4096x4096,4096x14336"

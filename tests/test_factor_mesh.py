@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz.iteration import Matmul
+from muon_optax._newton_schulz.operands import Matmul
 from muon_optax._placement.shardings import shard_mapped
 from muon_optax._sharded_ns.factor_mesh import FactorMesh
 from muon_optax._sharded_ns.split_cost import PRODUCT_CHUNKS

@@ -7,7 +7,8 @@ import pytest
 from _helpers import float32_bound, polar, rel, singular_values
 
 import muon_optax as mo
-from muon_optax._newton_schulz.iteration import RowBlocks, newton_schulz_column_parts
+from muon_optax._newton_schulz.iteration import newton_schulz_column_parts
+from muon_optax._newton_schulz.row_blocks import RowBlocks
 
 NS = mo.NewtonSchulz
 

@@ -10,7 +10,7 @@ from _helpers import compiled_flops, float32_bound, polar, rel, singular_values
 
 import muon_optax as mo
 from muon_optax._newton_schulz import symmetric
-from muon_optax._newton_schulz.iteration import Matmul
+from muon_optax._newton_schulz.operands import Matmul
 from muon_optax._newton_schulz.symmetric import (
   block_count,
   symmetric_flops,

@@ -2,153 +2,28 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from muon_optax._newton_schulz.centering import gram_center
+from muon_optax._newton_schulz.operands import (
+  Float8Matmul,
+  Matmul,
+  Reduce,
+  frobenius_normalize,
+  power_of_two_peak,
+  whole,
+)
+from muon_optax._newton_schulz.row_blocks import RowBlocks, whole_rows
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
-from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
 from muon_optax._newton_schulz.variant import newton_schulz_plan, shared_settings
 from muon_optax._util.order import after
 
 
 def _t(x):
   return jnp.swapaxes(x, -1, -2)
-
-
-# Combines per-part results over the column parts of a matrix split across devices:
-# reduce(partial, op) with op jnp.maximum or jnp.add. One part: the identity.
-Reduce = Callable[[jax.Array, Callable], jax.Array]
-
-
-def _whole(x: jax.Array, op: Callable) -> jax.Array:
-  del op
-  return x
-
-
-def _peak(x: jax.Array, reduce: Reduce = _whole) -> jax.Array:
-  """The power of two at or just above max|X| per matrix (1 for a zero matrix), shape
-  (..., 1, 1): dividing by it keeps later sums of squares from overflowing (entries
-  ~1e30) or underflowing (~1e-30) in float32, and is exact, so that X / peak rounded
-  to any operand dtype is X rounded, divided."""
-  peak = reduce(jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True), jnp.maximum)
-  exponent = jnp.clip(jnp.frexp(peak)[1], -125, 127)  # within float32's normal range
-  return jnp.ldexp(jnp.ones_like(peak), exponent)
-
-
-def _frobenius_normalize(x: jax.Array, safety: float, reduce: Reduce = _whole) -> jax.Array:
-  """X / (‖X‖_F · safety), exact for any finite scale; 0 stays exactly 0."""
-  x = x / _peak(x, reduce)
-  norm = jnp.sqrt(reduce(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True), jnp.add)) * safety
-  return x / jnp.where(norm > 0, norm, 1)
-
-
-class Matmul(NamedTuple):
-  """a @ b with its operands in `operands` and the products accumulated in `accumulate`
-  (float32 or wider)."""
-
-  operands: Any
-  accumulate: Any
-  precision: Any = None
-
-  def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.matmul(self.operand(a), self.operand(b), precision=self.precision,
-                      preferred_element_type=self.accumulate)
-
-  def operand(self, x: jax.Array) -> jax.Array:
-    """x as the product reads it: what a collective gathering an operand moves, exactly
-    (half the bytes with 16-bit operands)."""
-    return x.astype(self.operands)
-
-
-class Float8Matmul(NamedTuple):
-  """a @ b with float8 (e4m3) operands, each matrix first multiplied by the power of two
-  that puts its largest entry in [128, 256) (e4m3 holds up to 448, with 3 mantissa bits
-  wherever the entry lands), the product divided back, exactly, in `accumulate`. The
-  operands travel unrounded (`operand`): each product scales what it reads."""
-
-  accumulate: Any
-  precision: Any = None
-
-  def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
-    scale_a, scale_b = 256 / _peak(a), 256 / _peak(b)
-    product = jnp.matmul((a * scale_a).astype(jnp.float8_e4m3fn),
-                         (b * scale_b).astype(jnp.float8_e4m3fn), precision=self.precision,
-                         preferred_element_type=self.accumulate)
-    return product / (scale_a * scale_b)
-
-  def operand(self, x: jax.Array) -> jax.Array:
-    return x
-
-
-class RowBlocks(NamedTuple):
-  """How the m×m matrices of the iteration are held when X is split by columns over
-  some devices: each keeps one block of their rows, and gathers a whole matrix only
-  where a product needs it, so that the m×m work is split too and no m×m state is
-  whole on a device between products.
-
-  Attributes:
-    sum_rows: the column parts' X_j X_jᵀ (m×m partials) -> this part's rows of their sum.
-    gather: this part's rows of a matrix (rows on axis -2) -> the whole matrix.
-    rows: a whole matrix (rows on axis -2) -> this part's rows.
-    transposed: this part's rows of a matrix -> this part's rows of its transpose.
-    times: (rows of A, rows of B, matmul) -> these rows of A B, if it is not
-      matmul(rows of A, gather(rows of B)): a mesh forms B's whole columns a few at a
-      time, so that no whole m×m matrix is live.
-    applied: (rows of M, X's part, matmul) -> M X's part, if it is not
-      matmul(gather(rows of M), X's part): a mesh forms M a few rows at a time.
-    gram: (X's part, matmul, peak or None) -> this part's rows of X Xᵀ, divided by
-      peak² (see `gram_rows`), if it is not sum_rows of the parts' products: a mesh sums
-      a few rows at a time, dividing only each block of rows, twice.
-    blocks: the block rows a symmetric product of whole rows is cut into
-      (`symmetric_product`; None: `block_count`'s, 1: whole products).
-  """
-
-  sum_rows: Callable[[jax.Array], jax.Array]
-  gather: Callable[[jax.Array], jax.Array]
-  rows: Callable[[jax.Array], jax.Array]
-  transposed: Callable[[jax.Array], jax.Array]
-  times: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
-  applied: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
-  gram: Optional[Callable[[jax.Array, Callable, Optional[jax.Array]], jax.Array]] = None
-  blocks: Optional[int] = None
-
-  def apply(self, m, x, mm: Matmul):
-    """M X (this part's columns), from this part's rows of M."""
-    return self.applied(m, x, mm) if self.applied else mm(self.gather(mm.operand(m)), x)
-
-  def gram_rows(self, x, mm, peak=None):
-    """This part's rows of X Xᵀ, summed over the column parts; with `peak` (see
-    `_peak`; a mesh's `gram` only), of (X / peak)(X / peak)ᵀ, formed as
-    X ((X / peak) / peak)ᵀ: the mesh divides only its blocks of rows, so that no scaled
-    copy of X is made. Its entries stay within float32's range for any peak up to
-    about 1e37. Whole rows take X already divided: both operands are then one copy."""
-    if self.gram:
-      return self.gram(x, mm, peak)
-    if peak is not None:
-      raise ValueError("whole rows take X already divided by its peak, not the peak")
-    return self.sum_rows(symmetric_gram(x, mm, self.blocks))
-
-  def product(self, a, b, mm: Matmul):
-    """This part's rows of A B, from this part's rows of A and of B."""
-    return self.times(a, b, mm) if self.times else mm(a, self.gather(mm.operand(b)))
-
-
-def _identity(x):
-  return x
-
-
-def whole_rows(reduce: Reduce = _whole, blocks: Optional[int] = None) -> RowBlocks:
-  """Every part holds all rows: the m×m work is repeated on each part, and a Gram sum
-  is `reduce` over the parts. Every m×m product of the iteration is of two commuting
-  symmetric matrices, so it is computed as a symmetric one (`symmetric_product`) in
-  `blocks` block rows (None: `block_count`'s; 1: whole)."""
-  return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t,
-                   times=functools.partial(symmetric_product, blocks=blocks), blocks=blocks)
 
 
 def _aol(x: jax.Array, r: jax.Array, peak: Optional[jax.Array],
@@ -363,7 +238,7 @@ def _newton_schulz(x: jax.Array, ns: NewtonSchulz, rows: RowBlocks) -> jax.Array
   if ns.fn is not None:  # a custom function takes a (count, m, n) stack
     out = ns.fn(wide.reshape(-1, *wide.shape[-2:])).reshape(wide.shape)
   else:
-    out = _orthogonalize_wide(wide, wide.shape[-2:], _whole, ns, rows)
+    out = _orthogonalize_wide(wide, wide.shape[-2:], whole, ns, rows)
   return _t(out) if tall else out
 
 
@@ -402,12 +277,12 @@ def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowB
     # A mesh divides X by its peak inside the Gram sum (`gram_rows`) and with S, not as
     # a copy of its own; a whole matrix is divided first (its Gram's operands are one
     # copy of X anyway), and so is X where the operands' range is narrower (float16).
-    peak = _peak(out, reduce)
+    peak = power_of_two_peak(out, reduce)
     if blocks.gram is None or jnp.finfo(cdt).maxexp < jnp.finfo(acc).maxexp:
       out, peak = out / peak, None
     out, r = _aol(out, blocks.gram_rows(out, mm, peak), peak, blocks)
   else:
-    out = _frobenius_normalize(out, ns.safety(), reduce)
+    out = frobenius_normalize(out, ns.safety(), reduce)
   # With operands of 32 bits or more, a X + M X is applied as one product (`_apply`).
   fold = cdt.itemsize >= 4
   if plan.variant == "gram":

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz.iteration import RowBlocks
+from muon_optax._newton_schulz.row_blocks import RowBlocks
 from muon_optax._placement.shardings import spec_axes
 from muon_optax._sharded_ns.rounds import group_sizes, prime_factors
 from muon_optax._sharded_ns.split_cost import apply_chunks
