@@ -65,10 +65,19 @@ def whole_products():
     yield
 
 
-def compiled(fn, x, whole: bool, device=None):
+@contextlib.contextmanager
+def cut_at_any_size():
+  """While tracing: X Xᵀ cut at any size, below a platform's row floor too."""
+  with mock.patch.object(symmetric, "MIN_CUT_ROWS_ON", {}):
+    yield
+
+
+def compiled(fn, x, whole, device=None):
   """fn jitted and compiled for x (a shape on `device` when given, traced as on its
-  platform), whole or symmetric."""
-  with whole_products() if whole else contextlib.nullcontext():
+  platform): with whole products (`whole` True), the library's (False), or traced
+  under the context manager `whole` is."""
+  context = whole if callable(whole) else whole_products if whole else contextlib.nullcontext
+  with context():
     if device is None:
       return jax.jit(fn).lower(x).compile()
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -98,7 +107,8 @@ def product_arms(blocks: Sequence[int]) -> dict[str, tuple]:
 
 
 def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
-  """name -> (fn of x, whole?), with the settings "auto" picks on `backend` (default: here)."""
+  """name -> (fn of x, whole?), with the settings "auto" picks on `backend` (default: here);
+  on a platform with a row floor (`MIN_CUT_ROWS_ON`), X Xᵀ cut below it too."""
   out = {}
   for name, settings in NS_ARMS.items():
     settings = settings if backend is None else settings.on(backend)
@@ -106,6 +116,9 @@ def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
     out[f"newton_schulz {name}, whole products"] = (
         lambda x, s=settings: mo.newton_schulz(x, s), True)
     out[f"newton_schulz {name}, symmetric"] = (lambda x, s=settings: mo.newton_schulz(x, s), False)
+    if backend in symmetric.MIN_CUT_ROWS_ON:
+      out[f"newton_schulz {name}, X Xᵀ cut at any size"] = (
+          lambda x, s=settings: mo.newton_schulz(x, s), cut_at_any_size)
   return out
 
 
@@ -149,7 +162,7 @@ def flops_rows(shape, blocks: Sequence[int], platform: str) -> None:
     chip, group, name = None, {**product_arms(blocks), **ns_arms()}, "cpu"
   exes = {arm: compiled(fn, x, whole, chip) for arm, (fn, whole) in group.items()}
   for arm, exe in exes.items():
-    base = arm.replace("symmetric", "whole products") if "newton" in arm else "X Xᵀ whole"
+    base = (arm.rsplit(", ", 1)[0] + ", whole products") if "newton" in arm else "X Xᵀ whole"
     hbm = common.cost_analysis(exe)["bytes accessed"]
     roofline = (f"{roofline_ms(exe):.2f} | {roofline_ms(exe) / roofline_ms(exes[base]):.3f}"
                 if platform == "tpu" else "— | —")
@@ -164,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   print(header("benchmarks.newton_schulz_symmetric", argv))
   print(f"Gaussian float32 input; min and median of {args.reps} interleaved calls per arm; "
         f"default block rows: {symmetric.MIN_BLOCK_ROWS} rows or more, at most "
-        f"{symmetric.MAX_BLOCKS}\n")
+        f"{symmetric.MAX_BLOCKS}; X Xᵀ cut from {symmetric.MIN_CUT_ROWS_ON} rows on\n")
   if args.shapes:
     print("| shape | arm | GFLOP (compiled) | / whole | min ms | median ms | min / whole | "
           "median / whole | accuracy |\n|---|---|--:|--:|--:|--:|--:|--:|---|")

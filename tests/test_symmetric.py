@@ -10,6 +10,7 @@ from _helpers import compiled_flops, float32_bound, polar, rel, singular_values
 
 import muon_optax as mo
 from muon_optax._newton_schulz import symmetric
+from muon_optax._newton_schulz.iteration import newton_schulz_whole_products
 from muon_optax._newton_schulz.operands import Matmul
 from muon_optax._newton_schulz.symmetric import (
   block_count,
@@ -154,7 +155,9 @@ def test_gpus_form_every_product_whole():
 def test_a_tpu_cuts_x_xt_alone(shape, monkeypatch):
   """On a v5p chip block rows of m×m operands cost more HBM bytes than they save
   (benchmarks/results/newton_schulz_symmetric.txt): the TPU's plan cuts X Xᵀ, forms the
-  products of two m×m matrices whole, and the iteration traced on a TPU does the same."""
+  products of two m×m matrices whole, and the iteration traced on a TPU does the same
+  (with its row floor lowered, `MIN_CUT_ROWS_ON`, so that these small shapes are cut)."""
+  monkeypatch.setitem(symmetric.MIN_CUT_ROWS_ON, "tpu", 0)
   assert block_count(4096, "tpu") == symmetric.MAX_BLOCKS
   assert block_count(4096, "tpu", square=True) == 1
   m, n = shape
@@ -173,6 +176,26 @@ def test_a_tpu_cuts_x_xt_alone(shape, monkeypatch):
   tpu = flops()
   saved_on_cpu = plan.flops - mo.newton_schulz_plan(shape, ns, backend="cpu").flops
   assert tpu - cpu == pytest.approx(saved_on_cpu, rel=1e-2)
+
+
+def test_a_tpu_forms_x_xt_whole_below_its_row_floor(monkeypatch):
+  """On a v5p chip X Xᵀ of fewer than 3072 rows ran faster whole by the roofline
+  (benchmarks/results/newton_schulz_symmetric.txt): the plan and the iteration traced
+  on a TPU form it whole there, and cut it from the floor on."""
+  floor = symmetric.MIN_CUT_ROWS_ON["tpu"]
+  assert block_count(floor - 1, "tpu") == 1 and block_count(floor, "tpu") > 1
+  assert block_count(floor - 1, "cpu") > 1  # the floor is the TPU's alone
+  shape = (2048, 8192)
+  whole = mo.newton_schulz_plan(shape, "turbo", backend="tpu", symmetric=False).flops
+  assert mo.newton_schulz_plan(shape, "turbo", backend="tpu").flops == whole
+  assert mo.newton_schulz_plan(shape, "turbo", backend="cpu").flops < whole
+  # Traced as on a TPU with the floor above a small shape: the whole products' program.
+  monkeypatch.setitem(symmetric.MIN_CUT_ROWS_ON, "tpu", 1024)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  x = jnp.ones((768, 3072), jnp.float32)
+  ns = mo.NewtonSchulz("jordan", steps=5, gram=False)
+  assert (compiled_flops(lambda x: mo.newton_schulz(x, ns), x)
+          == compiled_flops(lambda x: newton_schulz_whole_products(x, ns), x))
 
 
 @pytest.mark.parametrize("shape", [(1024, 1024), (2048, 8192)])

@@ -201,12 +201,29 @@ def test_exchange_buffers_are_read_where_the_collectives_write_them(chips, kind)
   assert _relaid_collective_outputs(text) == []
 
 
-def test_a_tpu_mesh_forms_its_products_whole(chips):
+def test_a_tpu_mesh_forms_its_products_whole(chips, monkeypatch):
   # Block rows' slices and joins cost a TPU more HBM traffic than their flops save
-  # (benchmarks/results/mesh_products.txt): a mesh forms every product whole.
+  # (benchmarks/results/mesh_products.txt): a mesh forms every product whole, even
+  # where one chip would cut X Xᵀ (its row floor lowered here to this small shape).
   from test_orthogonalize import mesh_update_flops
+
+  from muon_optax._newton_schulz import symmetric
+  monkeypatch.setitem(symmetric.MIN_CUT_ROWS_ON, "tpu", 0)
   mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
   ns = mo.NewtonSchulz().on("tpu")
   whole = mo.newton_schulz_plan((512, 1024), ns, backend="tpu", symmetric=False).flops
   assert mo.newton_schulz_plan((512, 1024), ns, backend="tpu").flops < 0.95 * whole  # X Xᵀ cut
   assert whole <= mesh_update_flops(mesh) <= 1.02 * whole
+
+
+def test_the_symmetric_benchmark_prices_the_tpu_row_floor(capsys):
+  # Compiled for one v5p chip, below the floor the default's X Xᵀ is whole (its
+  # "symmetric" row equals the whole products'), and the floor lifted cuts it.
+  from benchmarks import newton_schulz_symmetric
+  newton_schulz_symmetric.main(["--shapes", "", "--platform", "tpu", "--flops-only", "512x1024"])
+  rows = {cells[2]: float(cells[3]) for line in capsys.readouterr().out.splitlines()
+          if line.startswith("| 512×1024 | tpu v5p |") for cells in [line.split(" | ")]}
+  for arm in newton_schulz_symmetric.NS_ARMS:
+    whole = rows[f"newton_schulz {arm}, whole products"]
+    assert rows[f"newton_schulz {arm}, symmetric"] == whole
+    assert rows[f"newton_schulz {arm}, X Xᵀ cut at any size"] < 0.95 * whole

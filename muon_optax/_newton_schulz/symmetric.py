@@ -37,13 +37,19 @@ WHOLE_PRODUCTS_ON = ("gpu",)
 # their flops save, while X Xᵀ's rows of the m×n X pay for theirs (the v5p roofline
 # rows of benchmarks/results/newton_schulz_symmetric.txt).
 WHOLE_SQUARE_PRODUCTS_ON = ("tpu",)
+# Platforms that cut X Xᵀ only from this many rows: on a v5p chip the block rows of a
+# smaller one add more HBM bytes than the flops they save (whole X Xᵀ ran the default
+# iteration faster by the roofline at 1024, 1536 and 2048 rows, its block rows at 3072
+# and 4096: the row sweep in benchmarks/results/newton_schulz_symmetric.txt).
+MIN_CUT_ROWS_ON = {"tpu": 3072}
 
 
 def block_count(m: int, backend: Optional[str] = None, *, square: bool = False) -> int:
   """How many block rows a symmetric m×m product is cut into on `backend` (default:
   jax's; 1: the whole product): X Xᵀ, or with `square` a product of two m×m matrices."""
   backend = backend or jax.default_backend()
-  if backend in WHOLE_PRODUCTS_ON or (square and backend in WHOLE_SQUARE_PRODUCTS_ON):
+  if (backend in WHOLE_PRODUCTS_ON or (square and backend in WHOLE_SQUARE_PRODUCTS_ON)
+      or m < MIN_CUT_ROWS_ON.get(backend, 0)):
     return 1
   return max(1, min(m // MIN_BLOCK_ROWS, MAX_BLOCKS))
 
