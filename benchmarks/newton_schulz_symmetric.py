@@ -72,12 +72,11 @@ def cut_at_any_size():
     yield
 
 
-def compiled(fn, x, whole, device=None):
+def compiled(fn, x, traced_in, device=None):
   """fn jitted and compiled for x (a shape on `device` when given, traced as on its
-  platform): with whole products (`whole` True), the library's (False), or traced
-  under the context manager `whole` is."""
-  context = whole if callable(whole) else whole_products if whole else contextlib.nullcontext
-  with context():
+  platform), traced in the context `traced_in()` (`whole_products`, `cut_at_any_size`,
+  or `contextlib.nullcontext`: the library's products)."""
+  with traced_in():
     if device is None:
       return jax.jit(fn).lower(x).compile()
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -96,26 +95,31 @@ def roofline_ms(exe) -> float:
   return 1e3 * max(flops(exe) / ROOFLINE["flops"], hbm / ROOFLINE["hbm"])
 
 
+LIBRARY = contextlib.nullcontext  # traced with the library's own products
+
+
 def product_arms(blocks: Sequence[int]) -> dict[str, tuple]:
-  """name -> (fn of x, whole?)."""
+  """name -> (fn of x, the context it is traced in: see `compiled`)."""
   mm = Matmul(jnp.float32, jnp.float32, jax.lax.Precision.HIGHEST)
-  arms = {"X Xᵀ whole": (lambda x: mm(x, x.T), True)}
+  arms = {"X Xᵀ whole": (lambda x: mm(x, x.T), LIBRARY)}
   for b in blocks:
     arms[f"X Xᵀ symmetric, {b} block rows"] = (
-        lambda x, b=b: symmetric.symmetric_gram(x, mm, b), False)
+        lambda x, b=b: symmetric.symmetric_gram(x, mm, b), LIBRARY)
   return arms
 
 
 def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
-  """name -> (fn of x, whole?), with the settings "auto" picks on `backend` (default: here);
-  on a platform with a row floor (`MIN_CUT_ROWS_ON`), X Xᵀ cut below it too."""
+  """name -> (fn of x, the context it is traced in), with the settings "auto" picks on
+  `backend` (default: here); on a platform with a row floor (`MIN_CUT_ROWS_ON`), X Xᵀ
+  cut below it too."""
   out = {}
   for name, settings in NS_ARMS.items():
     settings = settings if backend is None else settings.on(backend)
     # One function each: jax reuses a function's trace, made with whole products or not.
     out[f"newton_schulz {name}, whole products"] = (
-        lambda x, s=settings: mo.newton_schulz(x, s), True)
-    out[f"newton_schulz {name}, symmetric"] = (lambda x, s=settings: mo.newton_schulz(x, s), False)
+        lambda x, s=settings: mo.newton_schulz(x, s), whole_products)
+    out[f"newton_schulz {name}, symmetric"] = (
+        lambda x, s=settings: mo.newton_schulz(x, s), LIBRARY)
     if backend in symmetric.MIN_CUT_ROWS_ON:
       out[f"newton_schulz {name}, X Xᵀ cut at any size"] = (
           lambda x, s=settings: mo.newton_schulz(x, s), cut_at_any_size)
@@ -132,7 +136,7 @@ def timed_rows(shape, reps: int, blocks: Sequence[int]) -> None:
   x = jax.random.normal(jax.random.key(0), shape)
   label = "×".join(map(str, shape))
   for group in (product_arms(blocks), ns_arms()):
-    exes = {name: compiled(fn, x, whole) for name, (fn, whole) in group.items()}
+    exes = {name: compiled(fn, x, traced_in) for name, (fn, traced_in) in group.items()}
     with LoadWatch() as load:
       times = time_interleaved({name: (lambda e=e: e(x)) for name, e in exes.items()}, reps)
     outs = {name: e(x) for name, e in exes.items()}
@@ -160,7 +164,7 @@ def flops_rows(shape, blocks: Sequence[int], platform: str) -> None:
     group, name = ns_arms("tpu"), "tpu v5p"
   else:
     chip, group, name = None, {**product_arms(blocks), **ns_arms()}, "cpu"
-  exes = {arm: compiled(fn, x, whole, chip) for arm, (fn, whole) in group.items()}
+  exes = {arm: compiled(fn, x, traced_in, chip) for arm, (fn, traced_in) in group.items()}
   for arm, exe in exes.items():
     base = (arm.rsplit(", ", 1)[0] + ", whole products") if "newton" in arm else "X Xᵀ whole"
     hbm = common.cost_analysis(exe)["bytes accessed"]
