@@ -19,7 +19,10 @@ The table prints each arm's extra over AdamW and an estimated step time from a r
 (`ROOFLINE`): AdamW's step is the model's flops (`workload.llama.model_flops`, PaLM's
 convention, computed analytically) at the chip's peak; the extra is the optimizer's
 extra flops at peak + its extra HBM bytes at HBM bandwidth + its extra bytes received at
-ICI bandwidth, one after another, nothing overlapped: an upper bound on both counts.
+ICI bandwidth, one after another, nothing overlapped: an upper bound on both counts. The
+extra received is the whole step's against AdamW's, not the optimizer scope's alone: XLA
+may combine or move collectives out of the scope they were traced in (`optax.contrib.muon`'s
+partitioned products mostly land outside it).
 A second estimate ("% overlapped") takes the longer of the extra flops and HBM bytes, as
 a roofline prices a kernel whose reads run under its flops, and adds the collectives
 after them: where the extra is mostly matrix products, the nearer figure.
@@ -316,12 +319,12 @@ def _child(args) -> None:
 
 
 def extra(row: dict, adamw: dict) -> dict[str, float]:
-  """The arm's extra over AdamW's step, in flops, HBM bytes, bytes received (the
-  optimizer's collectives), and the roofline time they take (`ROOFLINE`), as a fraction
+  """The arm's extra over AdamW's step, in flops, HBM bytes, bytes received (the whole
+  step's collectives), and the roofline time they take (`ROOFLINE`), as a fraction
   of AdamW's step at peak: one after another ("seconds", "percent": an upper bound), and
   with the HBM traffic under the flops ("overlapped", "overlapped_percent": the longer of
   the two, as a roofline prices a kernel, the collectives still after them)."""
-  received = lambda r: sum(b for _, b in r["collectives"]["optimizer"].values())
+  received = lambda r: sum(b for _, b in r["collectives"]["step"].values())
   flops, hbm = row["flops"] - adamw["flops"], row["hbm_bytes"] - adamw["hbm_bytes"]
   recv = received(row) - received(adamw)
   compute, memory = max(flops, 0) / ROOFLINE["flops"], max(hbm, 0) / ROOFLINE["hbm"]
