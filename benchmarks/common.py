@@ -235,6 +235,12 @@ def cost_analysis(compiled: Any) -> dict[str, Any]:
   return analysis[0] if isinstance(analysis, (list, tuple)) else analysis
 
 
+def v5p_chip() -> Any:
+  """One chip of a v5p topology, for the offline TPU compiler (libtpu; no TPU needed)."""
+  from jax.experimental import topologies
+  return topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[0]
+
+
 def traced_for(backend: str, fn: Callable, *specs: Any) -> Any:
   """`jax.jit(fn)` traced for `specs` as on `backend`: while tracing, jax's default
   backend reads `backend`, so that what the library picks per platform at trace time

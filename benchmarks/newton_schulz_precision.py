@@ -133,12 +133,8 @@ def measure(x: np.ndarray, polar: np.ndarray, ns: mo.NewtonSchulz) -> dict[str, 
 
 def tpu_cost(ns: mo.NewtonSchulz, shape: tuple[int, int]) -> dict[str, float]:
   """The v5p compiler's flops and HBM bytes accessed of one matrix's iteration."""
-  from jax.experimental import topologies
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
-  chip = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[0]
   spec = jax.ShapeDtypeStruct(shape, jnp.float32,
-                              sharding=NamedSharding(Mesh(np.asarray([chip]), ("x",)), P()))
+                              sharding=jax.sharding.SingleDeviceSharding(common.v5p_chip()))
   ns = ns.on("tpu")
   analysis = common.cost_analysis(common.traced_for(
       "tpu", lambda a: mo.newton_schulz(a, ns), spec).lower().compile())

@@ -159,8 +159,7 @@ def flops_rows(shape, blocks: Sequence[int], platform: str) -> None:
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
   label = "×".join(map(str, shape))
   if platform == "tpu":  # the offline compiler: no TPU needed, libtpu is
-    from jax.experimental import topologies
-    chip = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[0]
+    chip = common.v5p_chip()
     group, name = ns_arms("tpu"), "tpu v5p"
   else:
     chip, group, name = None, {**product_arms(blocks), **ns_arms()}, "cpu"

@@ -203,7 +203,7 @@ def test_block_rows_hold_one_strips_copies_at_a_time(shape):
   """Compiled for the CPU, the iteration with symmetric products holds at most 1.3× the
   temporaries of whole products: its block rows run one after another, each copying its
   own slices of the operands (all at once, they held 1.6× to 3.1×)."""
-  from muon_optax._newton_schulz.iteration import newton_schulz, newton_schulz_whole_products
+  from muon_optax._newton_schulz.iteration import newton_schulz
   x = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
   temp = lambda fn: jax.jit(lambda a: fn(a, mo.NewtonSchulz().on("cpu"))).lower(
       x).compile().memory_analysis().temp_size_in_bytes

@@ -14,10 +14,6 @@ from muon_optax._newton_schulz.operands import Matmul, Reduce, whole
 from muon_optax._newton_schulz.symmetric import symmetric_gram, symmetric_product
 
 
-def _t(x):
-  return jnp.swapaxes(x, -1, -2)
-
-
 class RowBlocks(NamedTuple):
   """How the m×m matrices of the iteration are held when X is split by columns over
   some devices: each keeps one block of their rows, and gathers a whole matrix only
@@ -80,5 +76,6 @@ def whole_rows(reduce: Reduce = whole, blocks: Optional[int] = None) -> RowBlock
   is `reduce` over the parts. Every m×m product of the iteration is of two commuting
   symmetric matrices, so it is computed as a symmetric one (`symmetric_product`) in
   `blocks` block rows (None: `block_count`'s; 1: whole)."""
-  return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity, _t,
+  return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity,
+                   jnp.matrix_transpose,
                    times=functools.partial(symmetric_product, blocks=blocks), blocks=blocks)
