@@ -31,12 +31,14 @@ Models: `8b` (Llama-3-8B), `moe` (Mixtral-8x7B: 8 experts, top 2, its 32000-toke
 vocabulary), `tiny` and `tiny-moe` (2 layers, width 64: the executed check). Layouts
 (`LAYOUTS`): fsdp, zero1, tp (data × tensor, params replicated over data), fsdp_tp,
 3d (data × fsdp × tensor), ep (fsdp × expert). Rows go to --out as JSON lines as they are
-measured; a row already there is not measured again.
+measured, one per case (model, layout, chips, tokens a step) and arm; a row already there
+is not measured again, and each arm is weighed against AdamW's row of its own case.
 
 `--execute` runs the step instead, on 8 simulated CPU devices with float32 compute, for
 each layout and arm, and prints its largest difference from the same steps on one device.
 
     python -m benchmarks.train_step --platform tpu --model 8b --layouts fsdp fsdp_tp --devices 64 256
+    python -m benchmarks.train_step --platform tpu --devices 256 --arms optax.adamw muon --tokens 4194304
     python -m benchmarks.train_step --platform tpu --model moe --layouts ep --devices 64
     python -m benchmarks.train_step --table
     python -m benchmarks.train_step --model tiny --arms optax.adamw muon --devices 8 --seq 16 --tokens 128
@@ -290,7 +292,7 @@ def measure(model: str, layout: str, arm: str, devices: Sequence[Any], platform:
 
 
 def _key(row) -> tuple:
-  return row["model"], row["layout"], row["arm"], row["platform"], row["devices"]
+  return row["model"], row["layout"], row["arm"], row["platform"], row["devices"], row["tokens"]
 
 
 def _child(args) -> None:
@@ -306,13 +308,14 @@ def _child(args) -> None:
   for model in args.model:
     for layout in args.layouts:
       for arm in args.arms:
-        if (model, layout, arm, args.platform, args.count) in done:
+        if (model, layout, arm, args.platform, args.count, args.tokens) in done:
           continue
         try:
           row = measure(model, layout, arm, devices, args.platform, args.seq, args.tokens)
         except Exception as e:  # a failed compile is a row too: it says what failed
           row = {"model": model, "layout": layout, "arm": arm, "platform": args.platform,
-                 "devices": args.count, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                 "devices": args.count, "seq": args.seq, "tokens": args.tokens,
+                 "error": f"{type(e).__name__}: {str(e)[:300]}"}
         with args.out.open("a") as f:
           f.write(json.dumps(row) + "\n")
         print(json.dumps(row)[:300], flush=True)
@@ -341,14 +344,16 @@ def markdown_table(rows: list[dict]) -> str:
   short = {"all-to-all": "A2A", "all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS",
            "collective-permute": "CP"}
   count = lambda c: " ".join(f"{n} {short[k]}" for k, (n, _) in sorted(c.items())) or "—"
+  tokens = lambda n: f"{n / 2**20:g}M" if n >= 2**20 else str(n)
   good = [r for r in rows if "error" not in r]
   adamw = {_key(r)[:2] + _key(r)[3:]: r for r in good if r["arm"] == "optax.adamw"}
-  out = ["| model | layout | chips | arm | flops/chip | HBM GB | step collectives | "
+  out = ["| model | layout | chips | tokens | arm | flops/chip | HBM GB | step collectives | "
          "optimizer collectives (async) | received GB | peak GB (of 95) | compile s | "
          "extra: flops, HBM GB, received GB | est. extra ms | % of AdamW step | "
          "% overlapped |",
-         "|---|---|--:|---|--:|--:|---|---|--:|--:|--:|---|--:|--:|--:|"]
-  order = lambda r: (r["model"], r["layout"], r["platform"], r["devices"], ARMS.index(r["arm"]))
+         "|---|---|--:|--:|---|--:|--:|---|---|--:|--:|--:|---|--:|--:|--:|"]
+  order = lambda r: (r["model"], r["layout"], r["platform"], r["devices"], r["tokens"],
+                     ARMS.index(r["arm"]))
   for r in sorted(good, key=order):
     c = r["collectives"]
     recv = sum(b for _, b in c["step"].values()) / 1e9
@@ -362,7 +367,8 @@ def markdown_table(rows: list[dict]) -> str:
               f"{1e3 * e['seconds']:.1f} | {e['percent']:.2f} | {e['overlapped_percent']:.2f}")
     elif r is base:
       tail = f"step {1e3 * extra(r, r)['step']:.0f} ms at peak | — | — | —"
-    out.append(f"| {r['model']} | {r['layout']} | {r['devices']} | {r['arm']} | "
+    out.append(f"| {r['model']} | {r['layout']} | {r['devices']} | {tokens(r['tokens'])} | "
+               f"{r['arm']} | "
                f"{r['flops']:.3e} | {r['hbm_bytes'] / 1e9:.1f} | {count(c['step'])} | "
                f"{count(c['optimizer'])} ({c['async']}) | {recv:.2f} | "
                f"{r['peak_bytes'] / 1e9:.1f} | {r['compile_s']:.0f} | {tail} |")

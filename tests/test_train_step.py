@@ -104,3 +104,24 @@ def test_the_estimates_bracket_the_extra_between_overlapped_and_serial():
   # An arm that saves HBM traffic is not credited for it.
   e = train_step.extra(row(1e-3 * rate["flops"], -1.0, 0), adamw)
   assert e["percent"] == pytest.approx(e["overlapped_percent"]) == pytest.approx(0.1)
+
+
+def test_the_table_weighs_each_arm_against_adamw_at_its_own_batch():
+  """Rows at 1M and 4M tokens a step: each Muon row's extra is taken against the AdamW row
+  of its own token count, whose step is four times as long at 4M."""
+  rate = train_step.ROOFLINE
+
+  def row(arm, tokens, flops):
+    return {"model": "8b", "layout": "fsdp", "arm": arm, "platform": "tpu", "devices": 256,
+            "tokens": tokens, "flops": flops, "hbm_bytes": 0.0, "peak_bytes": 0,
+            "compile_s": 1.0, "model_flops": rate["flops"] * tokens / 2**20,
+            "collectives": {"step": {}, "optimizer": {}, "async": 0}}
+
+  rows = [row("muon", 2**22, 1.01 * rate["flops"] * 4), row("optax.adamw", 2**20, rate["flops"]),
+          row("muon", 2**20, 1.01 * rate["flops"]), row("optax.adamw", 2**22, rate["flops"] * 4)]
+  lines = train_step.markdown_table(rows).splitlines()[2:]
+  assert [line.split(" | ")[3:5] for line in lines] == [
+      ["1M", "optax.adamw"], ["1M", "muon"], ["4M", "optax.adamw"], ["4M", "muon"]]
+  assert "step 1000 ms at peak" in lines[0] and "step 4000 ms at peak" in lines[2]
+  # 1% of the step in flops either way: 10 ms of 1 s at 1M, 40 ms of 4 s at 4M.
+  assert lines[1].endswith("| 10.0 | 1.00 | 1.00 |") and lines[3].endswith("| 40.0 | 1.00 | 1.00 |")
