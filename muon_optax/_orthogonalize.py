@@ -12,7 +12,8 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, Kernel, as_newton_schulz
+from muon_optax._newton_schulz.kernel import Kernel
+from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, as_newton_schulz
 from muon_optax._placement.mesh_layout import FLOPS_PER_BYTE, MeshLayout, as_mesh_layout
 from muon_optax._placement.shardings import explicit_spec, split_first, stack_spec
 from muon_optax._routing.matrix_leaves import MatrixLeaves, WideStack, from_wide, to_wide

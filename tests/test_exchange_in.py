@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 from sharded_case import mesh_of
 
 import muon_optax as mo
-from muon_optax._newton_schulz.settings import DEFAULT_NS, Kernel
+from muon_optax._newton_schulz.kernel import Kernel
+from muon_optax._newton_schulz.settings import DEFAULT_NS
 from muon_optax._sharded_ns.solver import sharded_solver
 
 norm = lambda x: jnp.sum(x * x, axis=(-2, -1), keepdims=True)

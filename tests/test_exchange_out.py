@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from sharded_case import mesh_of
 
 import muon_optax as mo
-from muon_optax._newton_schulz.settings import DEFAULT_NS, Kernel
+from muon_optax._newton_schulz.kernel import Kernel
+from muon_optax._newton_schulz.settings import DEFAULT_NS
 from muon_optax._sharded_ns.solver import sharded_solver
 
 # 3 + 5 + 1 matrices of three shapes on 8 devices, some left over in every shape: with

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 from sharded_case import mesh_of
 
 import muon_optax as mo
-from muon_optax._newton_schulz.settings import DEFAULT_NS, Kernel
+from muon_optax._newton_schulz.kernel import Kernel
+from muon_optax._newton_schulz.settings import DEFAULT_NS
 from muon_optax._sharded_ns.factor_mesh import FactorMesh
 from muon_optax._sharded_ns.local_work import MeshKernel
 from muon_optax._sharded_ns.rounds import plan_rounds

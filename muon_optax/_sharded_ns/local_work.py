@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from muon_optax._newton_schulz.settings import Kernel
+from muon_optax._newton_schulz.kernel import Kernel
 from muon_optax._sharded_ns.exchange_in import Received, matrix
 from muon_optax._sharded_ns.exchange_schedule import ExchangePlan, Unit
 from muon_optax._sharded_ns.exchange_stacks import ExchangeStacks

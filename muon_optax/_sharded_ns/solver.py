@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax._newton_schulz.settings import Kernel
+from muon_optax._newton_schulz.kernel import Kernel
 from muon_optax._placement.mesh_layout import MeshLayout
 from muon_optax._placement.shardings import shard_mapped
 from muon_optax._sharded_ns.exchange_in import send
