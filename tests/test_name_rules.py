@@ -1,7 +1,5 @@
 """Name rules: routing by tree path, anchored on whole path components."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import linen_lm_case
@@ -101,43 +99,3 @@ def test_a_linen_lm_named_as_nanodo_names_it():
           leaf.shape), path
   out_proj = by_name.view("blocks_0/CausalAttn_0/attn_out_proj/kernel", (4, 32, 128))
   assert out_proj.matrix_shape((4, 32, 128)) == (1, 128, 128)
-
-
-def _warnings_of(fn):
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    fn()
-  return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-
-
-def test_views_guessed_from_names_are_flagged_and_warned_about_once():
-  """A leaf of rank ≥ 3 whose view comes from its name alone is marked in describe, and
-  building the state warns once, naming infer_routing; read from the computation, or
-  given by views=, it is neither."""
-  model, params, tokens = linen_lm_case.model_and_params()
-  guessed = {p for p, x in leaves_with_path(params) if x.ndim == 3}
-  rows = {line.split()[0]: line for line in mo.describe(params).splitlines()[2:] if line}
-  for path in guessed:
-    assert rows[path].endswith("name → weight, view by name (!)"), rows[path]
-  assert "Dense_0/kernel" in rows["blocks_0/Mlp_0/Dense_0/kernel"]
-  assert "(!)" not in rows["blocks_0/Mlp_0/Dense_0/kernel"]
-  assert any(line.startswith("(!) ") and "infer_routing" in line for line in rows.values())
-  [message] = _warnings_of(lambda: mo.muon(0.02).init(params))
-  assert message.startswith(f"{len(guessed)} parameter(s) (blocks_0/CausalAttn_0/attn_out_proj")
-  assert "infer_routing" in message
-  inferred = mo.infer_routing(model.apply, {"params": params}, tokens)
-  views = mo.Routing.from_rules(views=lambda path, shape: mo.default_view(path, shape))
-  for routing in (inferred, views):
-    assert "(!)" not in mo.describe(params, routing=routing)
-    assert _warnings_of(lambda: mo.normuon(0.02, routing=routing).init(params)) == []
-
-
-def test_an_override_the_computation_gives_no_view_is_flagged():
-  params = {"w": jnp.ones((2, 4, 4)), "v": jnp.ones((4, 4))}
-  f = lambda p, x: jnp.sum(p["w"]) * (x @ p["v"])  # w elementwise only: no view read
-  routing = mo.infer_routing(f, params, jnp.ones((3, 4)), overrides=[("^w$", "muon")])
-  [row] = [line for line in mo.describe(params, routing=routing).splitlines()
-           if line.startswith("w ")]
-  assert row.endswith("override '^w$', view by name (!)"), row
-  [message] = _warnings_of(lambda: mo.muon(0.02, routing=routing).init(params))
-  assert message.startswith("1 parameter(s) (w)")
