@@ -4,8 +4,9 @@ against the whole products XLA computes.
 Per timed shape, the arms take turns call by call (`common.time_interleaved`):
 - X Xᵀ as one product ("whole"), and from its upper block triangle in b block rows
   (`--blocks`), b = 1 being the whole product;
-- `newton_schulz` with the default settings and with jordan's standard 5 steps, each
-  with whole products and with symmetric ones in the library's own block count.
+- `newton_schulz` with the default settings, with their turbo in the standard iteration
+  (`gram=False`) and with jordan's standard 5 steps, each with whole products and with
+  symmetric ones in the library's own block count.
 Columns: compiled flops (XLA's cost analysis, deterministic) and their ratio to the
 whole product's; min and median of N calls and their ratios to the whole arm's; the
 largest difference from the whole product relative to max |X Xᵀ| (products), or the
@@ -43,8 +44,10 @@ from muon_optax._newton_schulz.operands import Matmul
 
 GPT2 = "768x768,768x2304,768x3072,3072x768"
 LLAMA = "4096x4096,4096x14336"
-NS_ARMS = {"defaults": mo.NewtonSchulz(), "jordan 5 standard": mo.NewtonSchulz(
-    "jordan", steps=5, gram=False)}
+# The defaults; the standard iteration with the defaults' turbo (what a TPU ran before
+# 16-bit Gram space); and Jordan's standard 5 steps.
+NS_ARMS = {"defaults": mo.NewtonSchulz(), "turbo standard": mo.NewtonSchulz(gram=False),
+           "jordan 5 standard": mo.NewtonSchulz("jordan", steps=5, gram=False)}
 
 
 def parser() -> argparse.ArgumentParser:
