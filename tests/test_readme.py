@@ -94,6 +94,17 @@ def test_every_readme_python_block_runs_in_order(readme_run):
   assert readme_run.returncode == 0, readme_run.stdout[-3000:] + readme_run.stderr[-5000:]
 
 
+def test_a_printed_output_shown_in_the_docs_is_what_its_block_prints(readme_run):
+  """A ```python block whose line says `# the table below` is followed by a plain block
+  holding what it prints: that text is in the run's output as shown."""
+  assert readme_run.returncode == 0, readme_run.stderr[-3000:]
+  shown = [block for page in PAGES for block in re.findall(
+      r"# the table below[^\n]*\n.*?^```\n\n```\n(.*?)^```", page.read_text(), re.S | re.M)]
+  assert shown, "no docs block shows its printed output"
+  for text in shown:
+    assert text.strip() in readme_run.stdout, text
+
+
 def _result(readme_run):
   if readme_run.returncode:
     pytest.fail("README blocks failed: " + readme_run.stderr[-3000:])
