@@ -9,6 +9,7 @@ import pytest
 
 import muon_optax as mo
 from muon_optax._routing.labels import check_labels, expand_labels
+from muon_optax._routing.name_rules import LABELS
 
 
 def test_label_pytree_must_match_params():
@@ -63,9 +64,9 @@ def test_labels_spread_to_each_leaf_and_every_check_names_the_path():
   assert expand_labels({"w": "muon", "step": "frozen", "b": "adam"}, params) == {
       "w": "muon", "step": "frozen", "b": "adam"}
   views = mo.Routing.from_rules().view
-  check_labels({"w": "muon", "step": "frozen", "b": "adam"}, params, views, ("muon", "adam", "frozen"))
+  check_labels({"w": "muon", "step": "frozen", "b": "adam"}, params, views, LABELS)
   for labels, match in [({"w": "sgd", "step": "frozen", "b": "adam"}, "'w' has label 'sgd'"),
                         ({"w": "muon", "step": "adam", "b": "adam"}, "'step' is labelled 'adam'"),
                         ({"w": "muon", "step": "frozen", "b": "muon"}, "'b' of shape \\(4,\\)")]:
     with pytest.raises(ValueError, match=match):
-      check_labels(labels, params, views, ("muon", "adam", "frozen"))
+      check_labels(labels, params, views, LABELS)

@@ -34,7 +34,6 @@ def expand_labels(label_tree: Any, params: Any) -> Any:
                      f"structure or a prefix of it, as in optax.partition): {e}.{hint}") from None
 
 
-
 def check_leaf(path: str, leaf: Any, label: Any, views: ViewFn, known: Sequence[str]) -> None:
   """A ValueError naming `path` if the leaf cannot be updated as labelled."""
   if label not in known:
