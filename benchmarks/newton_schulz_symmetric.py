@@ -16,7 +16,9 @@ while each shape ran, and whether the machine was busy, follow its rows.
 Compile-only shapes (`--flops-only`) give the compiled flops and HBM bytes accessed, on
 the CPU, or on the offline TPU v5p compiler with the TPU defaults (`--platform tpu`,
 where libtpu is installed), there with the roofline time of a v5p chip: the longer of
-the flops at its bfloat16 peak and the bytes at its HBM bandwidth (`ROOFLINE`).
+the flops at its bfloat16 peak and the bytes at its HBM bandwidth (`ROOFLINE`), and
+with the Gram-space m×m products that a TPU forms whole cut too, in at most 8 and 4
+block rows.
 
     python -m benchmarks.newton_schulz_symmetric [--reps 9] [--shapes 768x768,...]
     python -m benchmarks.newton_schulz_symmetric --shapes "" --platform tpu
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Optional
 from unittest import mock
@@ -98,6 +101,16 @@ def roofline_ms(exe) -> float:
   return 1e3 * max(flops(exe) / ROOFLINE["flops"], hbm / ROOFLINE["hbm"])
 
 
+@contextlib.contextmanager
+def gram_space_products_cut(blocks: int = symmetric.MAX_BLOCKS):
+  """While tracing: the Gram-space iteration's products of two m×m matrices cut too
+  (not whole, as on a TPU), every product in at most `blocks` block rows."""
+  with (mock.patch.object(symmetric, "WHOLE_GRAM_SPACE_PRODUCTS_ON", ()),
+        mock.patch.object(symmetric, "MAX_SQUARE_BLOCKS_ON", {}),
+        mock.patch.object(symmetric, "MAX_BLOCKS", blocks)):
+    yield
+
+
 LIBRARY = contextlib.nullcontext  # traced with the library's own products
 
 
@@ -114,7 +127,9 @@ def product_arms(blocks: Sequence[int]) -> dict[str, tuple]:
 def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
   """name -> (fn of x, the context it is traced in), with the settings "auto" picks on
   `backend` (default: here); on a platform with a row floor (`MIN_CUT_ROWS_ON`), X Xᵀ
-  cut below it too."""
+  cut below it too; on one that forms the Gram-space products of two m×m matrices whole
+  (`WHOLE_GRAM_SPACE_PRODUCTS_ON`), those cut too, in at most `MAX_BLOCKS` and 4 block
+  rows (Gram-space settings only)."""
   out = {}
   for name, settings in NS_ARMS.items():
     settings = settings if backend is None else settings.on(backend)
@@ -126,6 +141,11 @@ def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
     if backend in symmetric.MIN_CUT_ROWS_ON:
       out[f"newton_schulz {name}, X Xᵀ cut at any size"] = (
           lambda x, s=settings: mo.newton_schulz(x, s), cut_at_any_size)
+    if backend in symmetric.WHOLE_GRAM_SPACE_PRODUCTS_ON and settings.gram is not False:
+      for most in (symmetric.MAX_BLOCKS, 4):
+        out[f"newton_schulz {name}, Gram-space products cut, at most {most} block rows"] = (
+            lambda x, s=settings: mo.newton_schulz(x, s),
+            functools.partial(gram_space_products_cut, most))
   return out
 
 
@@ -168,7 +188,7 @@ def flops_rows(shape, blocks: Sequence[int], platform: str) -> None:
     chip, group, name = None, {**product_arms(blocks), **ns_arms()}, "cpu"
   exes = {arm: compiled(fn, x, traced_in, chip) for arm, (fn, traced_in) in group.items()}
   for arm, exe in exes.items():
-    base = (arm.rsplit(", ", 1)[0] + ", whole products") if "newton" in arm else "X Xᵀ whole"
+    base = (arm.split(", ", 1)[0] + ", whole products") if "newton" in arm else "X Xᵀ whole"
     hbm = common.cost_analysis(exe)["bytes accessed"]
     roofline = (f"{roofline_ms(exe):.2f} | {roofline_ms(exe) / roofline_ms(exes[base]):.3f}"
                 if platform == "tpu" else "— | —")

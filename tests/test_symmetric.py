@@ -3,6 +3,7 @@
 iteration built on them against the SVD polar factor."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,15 +67,34 @@ def test_product_of_commuting_symmetric_matrices():
     assert_mirrored(got, 4)
 
 
+def iter_eqns(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs inside it (jit, scan, cond, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from iter_eqns(sub)
+
+
+def tie_flops(m, k, cuts, columns=True):
+  """The elementwise flops of the ties that run a symmetric product's block rows one
+  after another (`symmetric_product`): each later block row's rows of a get a zero
+  added, and with `columns` (where block rows copy their slices, as on this CPU) its
+  columns of b too, made from the last strip's first row. XLA adds a few scalar
+  operations per tie (at most 8)."""
+  return sum((stop - start) * k + columns * k * (m - start) + (m - last)
+             for last, start, stop in zip(cuts[:-2], cuts[1:-1], cuts[2:]))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
 @pytest.mark.parametrize("m,k,blocks", [(12, 40, 3), (10, 7, 3), (30, 30, 2), (30, 30, 1)])
-def test_flops_equal_xlas_count(m, k, blocks):
+def test_flops_equal_xlas_count(m, k, blocks, backend, monkeypatch):
   """XLA's count is the products' (`symmetric_flops`) plus the ties that run the block
-  rows one after another: each later strip's operands get a zero added (its rows of x and
-  its columns of xᵀ), made from the last strip's first row and a few scalar operations."""
+  rows one after another (`tie_flops`): traced as on a TPU, which reads slices in place
+  (`SLICES_READ_IN_PLACE_ON`), they tie a's rows alone."""
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
   x = jnp.ones((m, k), jnp.float32)
   cuts = symmetric._cuts(m, blocks)
-  ties = sum((stop - start) * k + k * (m - start) + (m - last)
-             for last, start, stop in zip(cuts[:-2], cuts[1:-1], cuts[2:]))
+  ties = tie_flops(m, k, cuts, columns=backend not in symmetric.SLICES_READ_IN_PLACE_ON)
   extra = compiled_flops(lambda x: symmetric_gram(x, MM, blocks), x) - symmetric_flops(
       m, k, blocks)
   assert ties <= extra <= ties + 8 * (len(cuts) - 2)
@@ -143,39 +163,68 @@ def test_default_sizes_take_the_symmetric_path():
 
 def test_gpus_form_every_product_whole():
   """Measured slower in block rows on an H200, so a GPU's plan and iteration use whole
-  products, while the CPU's cut them all and the TPU's cut X Xᵀ alone."""
+  products, while the CPU's cut them all."""
   assert block_count(4096, "gpu") == 1 and block_count(4096, "cpu") == symmetric.MAX_BLOCKS
-  assert block_count(4096, "cpu", square=True) == symmetric.MAX_BLOCKS
+  assert block_count(4096, "cpu", gram_space=True) == symmetric.MAX_BLOCKS
+  assert block_count(4096, "cpu", k=4096) == symmetric.MAX_BLOCKS  # no cap on squares
   whole = mo.newton_schulz_plan((768, 3072), "turbo", backend="gpu", symmetric=False).flops
   assert mo.newton_schulz_plan((768, 3072), "turbo", backend="gpu").flops == whole
   assert mo.newton_schulz_plan((768, 3072), "turbo", backend="cpu").flops < whole
 
 
-@pytest.mark.parametrize("shape", [(768, 768), (768, 3072)])
-def test_a_tpu_cuts_x_xt_alone(shape, monkeypatch):
-  """On a v5p chip block rows of m×m operands cost more HBM bytes than they save
-  (benchmarks/results/newton_schulz_symmetric.txt): the TPU's plan cuts X Xᵀ, forms the
-  products of two m×m matrices whole, and the iteration traced on a TPU does the same
-  (with its row floor lowered, `MIN_CUT_ROWS_ON`, so that these small shapes are cut)."""
+def whole_square_products(x, ns, m):
+  """How many products of two whole m×m matrices `newton_schulz(x, ns)` traces."""
+  jaxpr = jax.make_jaxpr(lambda x: mo.newton_schulz(x, ns))(x).jaxpr
+  dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  return sum(all(v.aval.shape[-2:] == (m, m) for v in e.invars) for e in dots)
+
+
+@pytest.mark.parametrize("gram,shape", [(False, (768, 768)), (False, (768, 3072)),
+                                        (True, (768, 3072))])
+def test_a_tpu_forms_gram_space_products_whole(gram, shape, monkeypatch):
+  """On a v5p chip block rows of the Gram-space iteration's m×m products cost more HBM
+  bytes than they save, those of the standard iteration save more than they cost
+  (benchmarks/results/newton_schulz_symmetric.txt): the TPU's plan and the iteration
+  traced on a TPU cut X Xᵀ and the standard iteration's products as the CPU's do, and
+  form the Gram-space products whole (with the TPU's row floor lowered,
+  `MIN_CUT_ROWS_ON`, so that these small shapes are cut)."""
   monkeypatch.setitem(symmetric.MIN_CUT_ROWS_ON, "tpu", 0)
-  assert block_count(4096, "tpu") == symmetric.MAX_BLOCKS
-  assert block_count(4096, "tpu", square=True) == 1
-  m, n = shape
-  ns = mo.NewtonSchulz("jordan", steps=5, gram=False).on("tpu")  # standard: one X Xᵀ a step
+  assert block_count(4096, "tpu", k=14336) == symmetric.MAX_BLOCKS
+  assert block_count(4096, "tpu") == symmetric.MAX_SQUARE_BLOCKS_ON["tpu"] == 4
+  assert block_count(4096, "tpu", gram_space=True) == 1
+  m, _ = shape
+  ns = mo.NewtonSchulz("jordan", steps=5, gram=gram).on("tpu")
   plan = mo.newton_schulz_plan(shape, ns, backend="tpu")
-  saved = 5 * (2 * m * m * n - symmetric_flops(m, n, backend="tpu"))
-  assert plan.flops == mo.newton_schulz_plan(shape, ns, backend="tpu", symmetric=False).flops - saved
-  # Traced as on a TPU and as on this CPU, both compiled here: the TPU's program holds
-  # the m×m products' flops that the CPU's block rows save, less those block rows' ties
-  # (elementwise, a fraction of a percent: `test_flops_equal_xlas_count`).
-  spec = jax.ShapeDtypeStruct(shape, jnp.float32)
-  flops = lambda: jax.jit(lambda x: mo.newton_schulz(x, ns)).trace(spec).lower().compile(
-      ).cost_analysis()["flops"]
-  cpu = flops()
+  assert plan.variant == ("gram" if gram else "standard")
+  on_cpu = mo.newton_schulz_plan(shape, ns, backend="cpu").flops
+  # Traced as on this CPU and as on a TPU: each product the TPU forms whole is a whole
+  # m×m product more in its trace, and its block rows' saving less in its plan.
+  x = jnp.ones(shape)
+  cpu = whole_square_products(x, ns, m)
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  tpu = flops()
-  saved_on_cpu = plan.flops - mo.newton_schulz_plan(shape, ns, backend="cpu").flops
-  assert tpu - cpu == pytest.approx(saved_on_cpu, rel=1e-2)
+  formed_whole = whole_square_products(x, ns, m) - cpu
+  # Gram space: R² each (quintic) step, and P Q, P (P R) within each segment but its first
+  # step (`gram_flops`).
+  in_gram_space = 5 + sum(3 * (stop - start - 1) for start, stop in plan.segments)
+  assert formed_whole == (in_gram_space if gram else 0)
+  saved = 2 * m**3 - symmetric_flops(m, m, backend="cpu")
+  assert plan.flops == on_cpu + formed_whole * saved
+
+
+def test_a_tpu_cuts_products_of_two_squares_in_at_most_4_block_rows(monkeypatch):
+  """On a v5p chip 8 block rows of a 3072² iteration ran slower than whole products, 4
+  faster (benchmarks/results/newton_schulz_symmetric.txt): traced as on a TPU, a product
+  of two m×m matrices is cut into at most 4 block rows, X Xᵀ of a wide X into 8, and
+  the plan counts the same."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  def block_rows(fn, *shapes):
+    jaxpr = jax.make_jaxpr(fn)(*map(jnp.ones, shapes)).jaxpr
+    return sum(e.primitive.name == "dot_general" for e in iter_eqns(jaxpr))
+  assert block_rows(lambda a: symmetric_product(a, a, MM), (4096, 4096)) == 4
+  assert block_rows(lambda x: symmetric_gram(x, MM), (4096, 4096)) == 4
+  assert block_rows(lambda x: symmetric_gram(x, MM), (4096, 8192)) == symmetric.MAX_BLOCKS
+  assert symmetric_flops(4096, 4096, backend="tpu") == symmetric_flops(4096, 4096, 4)
+  assert symmetric_flops(4096, 8192, backend="tpu") == symmetric_flops(4096, 8192, 8)
 
 
 def test_a_tpu_forms_x_xt_whole_below_its_row_floor(monkeypatch):

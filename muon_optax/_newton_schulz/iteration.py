@@ -217,7 +217,7 @@ def newton_schulz(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
     Boissin et al. 2025, "Turbo-Muon", arXiv 2512.04632.
     Zhang, Amsel, Chen, Dao 2026, "Gram Newton-Schulz" (blog, tridao.me).
   """
-  return _newton_schulz(x, as_newton_schulz(ns), whole_rows())
+  return _newton_schulz(x, as_newton_schulz(ns), blocks=None)
 
 
 def newton_schulz_whole_products(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array:
@@ -225,10 +225,12 @@ def newton_schulz_whole_products(x: jax.Array, ns: NS = DEFAULT_NS) -> jax.Array
   symmetric product's block rows cost more HBM traffic and memory than their flops
   save, and on a CPU mesh, where each round of matrices is its own call, they multiply
   the compile time (benchmarks/results/mesh_products.txt)."""
-  return _newton_schulz(x, as_newton_schulz(ns), whole_rows(blocks=1))
+  return _newton_schulz(x, as_newton_schulz(ns), blocks=1)
 
 
-def _newton_schulz(x: jax.Array, ns: NewtonSchulz, rows: RowBlocks) -> jax.Array:
+def _newton_schulz(x: jax.Array, ns: NewtonSchulz, blocks: Optional[int]) -> jax.Array:
+  """The iteration on whole matrices, their symmetric products in `blocks` block rows
+  (`whole_rows`; None: the platform's count for the iteration that runs)."""
   if x.ndim < 2:
     raise ValueError(f"newton_schulz needs an array of shape (..., m, n), got {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -238,7 +240,9 @@ def _newton_schulz(x: jax.Array, ns: NewtonSchulz, rows: RowBlocks) -> jax.Array
   if ns.fn is not None:  # a custom function takes a (count, m, n) stack
     out = ns.fn(wide.reshape(-1, *wide.shape[-2:])).reshape(wide.shape)
   else:
-    out = _orthogonalize_wide(wide, wide.shape[-2:], whole, ns, rows)
+    gram_space = newton_schulz_plan(wide.shape[-2:], ns).variant == "gram"
+    out = _orthogonalize_wide(wide, wide.shape[-2:], whole, ns,
+                              whole_rows(blocks=blocks, gram_space=gram_space))
   return _t(out) if tall else out
 
 

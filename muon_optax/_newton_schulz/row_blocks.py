@@ -71,11 +71,14 @@ def _identity(x):
   return x
 
 
-def whole_rows(reduce: Reduce = whole, blocks: Optional[int] = None) -> RowBlocks:
+def whole_rows(reduce: Reduce = whole, blocks: Optional[int] = None,
+               gram_space: bool = False) -> RowBlocks:
   """Every part holds all rows: the m×m work is repeated on each part, and a Gram sum
   is `reduce` over the parts. Every m×m product of the iteration is of two commuting
   symmetric matrices, so it is computed as a symmetric one (`symmetric_product`) in
-  `blocks` block rows (None: `block_count`'s; 1: whole)."""
+  `blocks` block rows (None: `block_count`'s, for the Gram-space iteration's products
+  with `gram_space`; 1: whole)."""
   return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity,
                    jnp.matrix_transpose,
-                   times=functools.partial(symmetric_product, blocks=blocks), blocks=blocks)
+                   times=functools.partial(symmetric_product, blocks=blocks,
+                                           gram_space=gram_space), blocks=blocks)

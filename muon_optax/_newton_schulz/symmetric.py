@@ -11,12 +11,12 @@ backend compiles. The blocks off the diagonal mirror each other exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+from muon_optax._newton_schulz.operands import Matmul
 from muon_optax._util.order import after
 
 # Block rows of at least this many rows, so that each strip stays a large product; a
@@ -32,32 +32,49 @@ MAX_BLOCKS = 8
 # (benchmarks/results/accelerator_h200.txt against its first run), as narrow strips
 # fill few of its multiprocessors.
 WHOLE_PRODUCTS_ON = ("gpu",)
-# Platforms that cut X Xᵀ alone and form the products of two m×m matrices whole: on a
-# v5p chip the block rows' copies of m×m float32 operands cost more HBM bytes than
-# their flops save, while X Xᵀ's rows of the m×n X pay for theirs (the v5p roofline
-# rows of benchmarks/results/newton_schulz_symmetric.txt).
-WHOLE_SQUARE_PRODUCTS_ON = ("tpu",)
+# Platforms that form the Gram-space iteration's products of two m×m matrices whole,
+# and cut its X Xᵀ and every symmetric product of the standard iteration: compiled for
+# a v5p chip, block rows of those m×m products cost more HBM bytes than their flops
+# save, while the standard iteration's pay for theirs (the v5p roofline rows of
+# benchmarks/results/newton_schulz_symmetric.txt).
+WHOLE_GRAM_SPACE_PRODUCTS_ON = ("tpu",)
+# At most this many block rows for a product of two m×m matrices (inner dimension m: the
+# standard iteration's on a square X) on these platforms: on a v5p chip the default on
+# 3072² ran slower by the roofline in 8 block rows than whole, faster in 4; on 4096²
+# both ran faster than whole (benchmarks/results/newton_schulz_symmetric.txt).
+MAX_SQUARE_BLOCKS_ON = {"tpu": 4}
 # Platforms that cut X Xᵀ only from this many rows: on a v5p chip the block rows of a
 # smaller one add more HBM bytes than the flops they save (whole X Xᵀ ran the default
 # iteration faster by the roofline at 1024, 1536 and 2048 rows, its block rows at 3072
 # and 4096: the row sweep in benchmarks/results/newton_schulz_symmetric.txt).
 MIN_CUT_ROWS_ON = {"tpu": 3072}
+# Platforms whose products read slices of their operands in place (a v5p chip fuses them
+# into the product): each block row is tied to the last by its rows of a alone. Elsewhere
+# each block row copies its slices, its columns of b too, so those are tied as well: then
+# one block row's copies are live at a time (on the CPU, all at once held 1.6× to 3.1×
+# the whole products' temporaries); on a v5p chip those ties cost more HBM bytes.
+SLICES_READ_IN_PLACE_ON = ("tpu",)
 
 
-def block_count(m: int, backend: Optional[str] = None, *, square: bool = False) -> int:
-  """How many block rows a symmetric m×m product is cut into on `backend` (default:
-  jax's; 1: the whole product): X Xᵀ, or with `square` a product of two m×m matrices."""
+def block_count(m: int, backend: Optional[str] = None, *, k: Optional[int] = None,
+                gram_space: bool = False) -> int:
+  """How many block rows a symmetric m×m product with inner dimension `k` (default: m)
+  is cut into on `backend` (default: jax's; 1: the whole product): X Xᵀ or a product of
+  the standard iteration, or with `gram_space` a product of two m×m matrices of the
+  Gram-space iteration."""
   backend = backend or jax.default_backend()
-  if (backend in WHOLE_PRODUCTS_ON or (square and backend in WHOLE_SQUARE_PRODUCTS_ON)
+  if (backend in WHOLE_PRODUCTS_ON or (gram_space and backend in WHOLE_GRAM_SPACE_PRODUCTS_ON)
       or m < MIN_CUT_ROWS_ON.get(backend, 0)):
     return 1
-  return max(1, min(m // MIN_BLOCK_ROWS, MAX_BLOCKS))
+  most = MAX_SQUARE_BLOCKS_ON.get(backend, MAX_BLOCKS) if k in (None, m) else MAX_BLOCKS
+  return max(1, min(m // MIN_BLOCK_ROWS, most))
 
 
-def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None,
-          square: bool = False) -> list[int]:
+def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None, k: Optional[int] = None,
+          gram_space: bool = False) -> list[int]:
   """Block row boundaries 0 = c_0 < … < c_b = m, blocks of equal size but the last."""
-  blocks = block_count(m, backend, square=square) if blocks is None else blocks
+  if blocks is None:
+    blocks = block_count(m, backend, k=k, gram_space=gram_space)
   if not 1 <= blocks <= m:
     raise ValueError(f"a symmetric product of {m} rows takes 1 to {m} block rows, got {blocks}")
   size = -(-m // blocks)
@@ -65,34 +82,43 @@ def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None,
 
 
 def symmetric_flops(m: int, k: int, blocks: Optional[int] = None,
-                    backend: Optional[str] = None, *, square: bool = False) -> int:
-  """Matmul flops of an m×m symmetric product with inner dimension k (with `square`: of
-  two m×m matrices, not X Xᵀ), as computed here on `backend` (2m²k when whole)."""
-  cuts = _cuts(m, blocks, backend, square)
+                    backend: Optional[str] = None, *, gram_space: bool = False) -> int:
+  """Matmul flops of an m×m symmetric product with inner dimension k (with `gram_space`:
+  of two m×m matrices of the Gram-space iteration), as computed here on `backend` (2m²k
+  when whole)."""
+  cuts = _cuts(m, blocks, backend, k, gram_space)
   return sum(2 * (stop - start) * k * (m - start) for start, stop in zip(cuts[:-1], cuts[1:]))
 
 
-def symmetric_product(a: jax.Array, b: jax.Array,
-                      matmul: Callable[[jax.Array, jax.Array], jax.Array],
-                      blocks: Optional[int] = None, *, square: bool = True) -> jax.Array:
+def symmetric_product(a: jax.Array, b: jax.Array, matmul: Matmul,
+                      blocks: Optional[int] = None, *, gram_space: bool = False) -> jax.Array:
   """`matmul(a, b)` for (..., m, k) `a` and (..., k, m) `b` whose product is symmetric
   (the caller knows: X Xᵀ, or two commuting symmetric matrices), from its upper block
-  triangle in (at most) `blocks` block rows, default `block_count`'s (`square`: a
-  product of two m×m matrices; `symmetric_gram` passes False). Each block row is
-  `matmul` of a's rows and b's columns from the diagonal on, one after another, so that
-  one block row's copies of them are live at a time; its blocks left of the diagonal are
-  the transposes of those above it (exactly symmetric; the diagonal blocks, computed
+  triangle in (at most) `blocks` block rows, default `block_count`'s (`gram_space`: a
+  product of two m×m matrices of the Gram-space iteration).
+
+  Both factors are read as the product reads them (`matmul.operand`) once, before they
+  are cut. Each block row is `matmul` of a's rows and b's columns from the diagonal on,
+  one after another (tied to the last block row: see `SLICES_READ_IN_PLACE_ON`), so that
+  one block row's copies of them are live at a time. Its blocks left of the diagonal
+  are the transposes of those above it (exactly symmetric; the diagonal blocks, computed
   whole, as symmetric as a whole product's)."""
   m = a.shape[-2]
   if b.shape[-1] != m:
     raise ValueError(f"a symmetric product is square: a has {m} rows, b {b.shape[-1]} columns")
-  cuts = _cuts(m, blocks, square=square)
+  cuts = _cuts(m, blocks, k=a.shape[-1], gram_space=gram_space)
   if len(cuts) == 2:
     return matmul(a, b)
+  a, b = matmul.operand(a), matmul.operand(b)
+  in_place = jax.default_backend() in SLICES_READ_IN_PLACE_ON
   spans = list(zip(cuts[:-1], cuts[1:]))
   strips = []  # strips[i] = C[c_i:c_{i+1}, c_i:], the block row from its diagonal block on
   for start, stop in spans:
-    strips.append(matmul(*after((a[..., start:stop, :], b[..., :, start:]), strips[-1:])))
+    a_rows, b_columns = a[..., start:stop, :], b[..., :, start:]
+    if in_place:
+      strips.append(matmul(after(a_rows, strips[-1:]), b_columns))
+    else:
+      strips.append(matmul(*after((a_rows, b_columns), strips[-1:])))
   rows = []
   for i, (start, stop) in enumerate(spans):
     left = [jnp.swapaxes(strips[j][..., :, start - cuts[j]:stop - cuts[j]], -1, -2)
@@ -101,7 +127,6 @@ def symmetric_product(a: jax.Array, b: jax.Array,
   return jnp.concatenate(rows, axis=-2)
 
 
-def symmetric_gram(x: jax.Array, matmul: Callable[[jax.Array, jax.Array], jax.Array],
-                   blocks: Optional[int] = None) -> jax.Array:
+def symmetric_gram(x: jax.Array, matmul: Matmul, blocks: Optional[int] = None) -> jax.Array:
   """X Xᵀ of (..., m, n) `x` by `symmetric_product`."""
-  return symmetric_product(x, jnp.swapaxes(x, -1, -2), matmul, blocks, square=False)
+  return symmetric_product(x, jnp.swapaxes(x, -1, -2), matmul, blocks)
