@@ -43,16 +43,17 @@ WHOLE_GRAM_SPACE_PRODUCTS_ON = ("tpu",)
 # 3072² ran slower by the roofline in 8 block rows than whole, faster in 4; on 4096²
 # both ran faster than whole (benchmarks/results/newton_schulz_symmetric.txt).
 MAX_SQUARE_BLOCKS_ON = {"tpu": 4}
-# Platforms that cut X Xᵀ only from this many rows: on a v5p chip the block rows of a
-# smaller one add more HBM bytes than the flops they save (whole X Xᵀ ran the default
+# Platforms that cut products only from this many rows: on a v5p chip the block rows of
+# a smaller X Xᵀ add more HBM bytes than the flops they save (whole X Xᵀ ran the default
 # iteration faster by the roofline at 1024, 1536 and 2048 rows, its block rows at 3072
-# and 4096: the row sweep in benchmarks/results/newton_schulz_symmetric.txt).
+# and 4096: the row sweeps in benchmarks/results/newton_schulz_symmetric.txt).
 MIN_CUT_ROWS_ON = {"tpu": 3072}
 # Platforms whose products read slices of their operands in place (a v5p chip fuses them
 # into the product): each block row is tied to the last by its rows of a alone. Elsewhere
 # each block row copies its slices, its columns of b too, so those are tied as well: then
 # one block row's copies are live at a time (on the CPU, all at once held 1.6× to 3.1×
-# the whole products' temporaries); on a v5p chip those ties cost more HBM bytes.
+# the whole products' temporaries); on a v5p chip those ties cost more HBM bytes (the
+# "tied by both factors" rows of benchmarks/results/newton_schulz_symmetric.txt).
 SLICES_READ_IN_PLACE_ON = ("tpu",)
 
 
