@@ -217,32 +217,18 @@ def test_a_tpu_mesh_forms_its_products_whole(chips, monkeypatch):
 
 
 def test_the_symmetric_benchmark_prices_the_tpu_row_floor(capsys):
-  # Compiled for one v5p chip, below the floor the default's X Xᵀ is whole (its
-  # "symmetric" row equals the whole products'), and the floor lifted cuts it.
+  # Compiled for one v5p chip, every arm of the benchmark prices its products: below the
+  # floor the default's X Xᵀ is whole (its "symmetric" row, and those of the arms that
+  # cut differently above it, equal the whole products'), and the floor lifted cuts it.
   from benchmarks import newton_schulz_symmetric
   newton_schulz_symmetric.main(["--shapes", "", "--platform", "tpu", "--flops-only", "512x1024"])
   rows = {cells[2]: float(cells[3]) for line in capsys.readouterr().out.splitlines()
           if line.startswith("| 512×1024 | tpu v5p |") for cells in [line.split(" | ")]}
+  assert list(rows) == list(newton_schulz_symmetric.ns_arms("tpu"))
   for arm in newton_schulz_symmetric.NS_ARMS:
     whole = rows[f"newton_schulz {arm}, whole products"]
     assert rows[f"newton_schulz {arm}, symmetric"] == whole
     assert rows[f"newton_schulz {arm}, X Xᵀ cut at any size"] < 0.95 * whole
-
-
-def test_the_symmetric_benchmark_prices_every_tpu_arm(capsys):
-  """`benchmarks.newton_schulz_symmetric --platform tpu` compiles every arm for a v5p
-  chip and prices each against its whole products (here a shape small enough to
-  compile fast: under the TPU's row floor every arm forms its products whole, but for
-  those cut at any size)."""
-  from benchmarks import newton_schulz_symmetric
-  newton_schulz_symmetric.main(["--shapes", "", "--platform", "tpu", "--flops-only", "32x96"])
-  rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
-          if line.startswith("| 32×96 | tpu v5p |")]
-  arms = [row[2] for row in rows]
-  assert arms == list(newton_schulz_symmetric.ns_arms("tpu"))
-  assert "newton_schulz defaults, tied by both factors" in arms
-  assert "newton_schulz defaults, Gram-space products cut, at most 4 block rows" in arms
-  whole = {row[2].split(", ")[0]: float(row[3]) for row in rows if "whole products" in row[2]}
-  for row in rows:
-    if "at any size" not in row[2]:
-      assert float(row[3]) == whole[row[2].split(", ")[0]]  # below the floor: all whole
+  for name, flops in rows.items():
+    if "tied by both" in name or "Gram-space products cut" in name:
+      assert flops == rows[name.split(", ")[0] + ", whole products"]
