@@ -18,8 +18,7 @@ the CPU, or on the offline TPU v5p compiler with the TPU defaults (`--platform t
 where libtpu is installed), there with the roofline time of a v5p chip: the longer of
 the flops at its bfloat16 peak and the bytes at its HBM bandwidth (`ROOFLINE`), and
 with the Gram-space m×m products that a TPU forms whole cut too, in at most 8 and 4
-block rows, and (defaults) with block rows tied by both factors, as where slices are
-copied.
+block rows.
 
     python -m benchmarks.newton_schulz_symmetric [--reps 9] [--shapes 768x768,...]
     python -m benchmarks.newton_schulz_symmetric --shapes "" --platform tpu
@@ -112,14 +111,6 @@ def gram_space_products_cut(blocks: int = symmetric.MAX_BLOCKS):
     yield
 
 
-@contextlib.contextmanager
-def tied_by_both_factors():
-  """While tracing: each block row tied to the last by both factors' slices, as where
-  slices are copied (not by the first factor's rows alone, as on a TPU)."""
-  with mock.patch.object(symmetric, "SLICES_READ_IN_PLACE_ON", ()):
-    yield
-
-
 LIBRARY = contextlib.nullcontext  # traced with the library's own products
 
 
@@ -138,8 +129,7 @@ def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
   `backend` (default: here); on a platform with a row floor (`MIN_CUT_ROWS_ON`), X Xᵀ
   cut below it too; on one that forms the Gram-space products of two m×m matrices whole
   (`WHOLE_GRAM_SPACE_PRODUCTS_ON`), those cut too, in at most `MAX_BLOCKS` and 4 block
-  rows (Gram-space settings only); on one that reads slices in place
-  (`SLICES_READ_IN_PLACE_ON`), the defaults with block rows tied by both factors."""
+  rows (Gram-space settings only)."""
   out = {}
   for name, settings in NS_ARMS.items():
     settings = settings if backend is None else settings.on(backend)
@@ -151,9 +141,6 @@ def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
     if backend in symmetric.MIN_CUT_ROWS_ON:
       out[f"newton_schulz {name}, X Xᵀ cut at any size"] = (
           lambda x, s=settings: mo.newton_schulz(x, s), cut_at_any_size)
-    if backend in symmetric.SLICES_READ_IN_PLACE_ON and name == "defaults":
-      out[f"newton_schulz {name}, tied by both factors"] = (
-          lambda x, s=settings: mo.newton_schulz(x, s), tied_by_both_factors)
     if backend in symmetric.WHOLE_GRAM_SPACE_PRODUCTS_ON and settings.gram is not False:
       for most in (symmetric.MAX_BLOCKS, 4):
         out[f"newton_schulz {name}, Gram-space products cut, at most {most} block rows"] = (

@@ -48,13 +48,6 @@ MAX_SQUARE_BLOCKS_ON = {"tpu": 4}
 # iteration faster by the roofline at 1024, 1536 and 2048 rows, its block rows at 3072
 # and 4096: the row sweeps in benchmarks/results/newton_schulz_symmetric.txt).
 MIN_CUT_ROWS_ON = {"tpu": 3072}
-# Platforms whose products read slices of their operands in place (a v5p chip fuses them
-# into the product): each block row is tied to the last by its rows of a alone. Elsewhere
-# each block row copies its slices, its columns of b too, so those are tied as well: then
-# one block row's copies are live at a time (on the CPU, all at once held 1.6× to 3.1×
-# the whole products' temporaries); on a v5p chip those ties cost more HBM bytes (the
-# "tied by both factors" rows of benchmarks/results/newton_schulz_symmetric.txt).
-SLICES_READ_IN_PLACE_ON = ("tpu",)
 
 
 def block_count(m: int, backend: Optional[str] = None, *, k: Optional[int] = None,
@@ -100,10 +93,10 @@ def symmetric_product(a: jax.Array, b: jax.Array, matmul: Matmul,
 
   Both factors are read as the product reads them (`matmul.operand`) once, before they
   are cut. Each block row is `matmul` of a's rows and b's columns from the diagonal on,
-  one after another (tied to the last block row: see `SLICES_READ_IN_PLACE_ON`), so that
-  one block row's copies of them are live at a time. Its blocks left of the diagonal
-  are the transposes of those above it (exactly symmetric; the diagonal blocks, computed
-  whole, as symmetric as a whole product's)."""
+  one after another (each tied to the last by both), so that one block row's copies of
+  them are live at a time. Its blocks left of the diagonal are the transposes of those
+  above it (exactly symmetric; the diagonal blocks, computed whole, as symmetric as a
+  whole product's)."""
   m = a.shape[-2]
   if b.shape[-1] != m:
     raise ValueError(f"a symmetric product is square: a has {m} rows, b {b.shape[-1]} columns")
@@ -111,15 +104,10 @@ def symmetric_product(a: jax.Array, b: jax.Array, matmul: Matmul,
   if len(cuts) == 2:
     return matmul(a, b)
   a, b = matmul.operand(a), matmul.operand(b)
-  in_place = jax.default_backend() in SLICES_READ_IN_PLACE_ON
   spans = list(zip(cuts[:-1], cuts[1:]))
   strips = []  # strips[i] = C[c_i:c_{i+1}, c_i:], the block row from its diagonal block on
   for start, stop in spans:
-    a_rows, b_columns = a[..., start:stop, :], b[..., :, start:]
-    if in_place:
-      strips.append(matmul(after(a_rows, strips[-1:]), b_columns))
-    else:
-      strips.append(matmul(*after((a_rows, b_columns), strips[-1:])))
+    strips.append(matmul(*after((a[..., start:stop, :], b[..., :, start:]), strips[-1:])))
   rows = []
   for i, (start, stop) in enumerate(spans):
     left = [jnp.swapaxes(strips[j][..., :, start - cuts[j]:stop - cuts[j]], -1, -2)
