@@ -73,8 +73,17 @@ def whole_products():
 
 @contextlib.contextmanager
 def cut_at_any_size():
-  """While tracing: X Xᵀ cut at any size, below a platform's row floor too."""
-  with mock.patch.object(symmetric, "MIN_CUT_ROWS_ON", {}):
+  """While tracing: every product cut at any size, below a platform's row floors too."""
+  with (mock.patch.object(symmetric, "MIN_CUT_ROWS_ON", {}),
+        mock.patch.object(symmetric, "MIN_SQUARE_CUT_WORK_ON", {})):
+    yield
+
+
+@contextlib.contextmanager
+def squares_whole(backend: str):
+  """While tracing for `backend`: the standard iteration's products of two m×m matrices
+  whole at any size, X Xᵀ cut as the library cuts it."""
+  with mock.patch.object(symmetric, "MIN_SQUARE_CUT_WORK_ON", {backend: 1 << 62}):
     yield
 
 
@@ -107,6 +116,7 @@ def gram_space_products_cut(blocks: int = symmetric.MAX_BLOCKS):
   (not whole, as on a TPU), every product in at most `blocks` block rows."""
   with (mock.patch.object(symmetric, "WHOLE_GRAM_SPACE_PRODUCTS_ON", ()),
         mock.patch.object(symmetric, "MAX_SQUARE_BLOCKS_ON", {}),
+        mock.patch.object(symmetric, "MIN_SQUARE_CUT_WORK_ON", {}),
         mock.patch.object(symmetric, "MAX_BLOCKS", blocks)):
     yield
 
@@ -126,10 +136,11 @@ def product_arms(blocks: Sequence[int]) -> dict[str, tuple]:
 
 def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
   """name -> (fn of x, the context it is traced in), with the settings "auto" picks on
-  `backend` (default: here); on a platform with a row floor (`MIN_CUT_ROWS_ON`), X Xᵀ
-  cut below it too; on one that forms the Gram-space products of two m×m matrices whole
-  (`WHOLE_GRAM_SPACE_PRODUCTS_ON`), those cut too, in at most `MAX_BLOCKS` and 4 block
-  rows (Gram-space settings only)."""
+  `backend` (default: here); on a platform with row floors (`MIN_CUT_ROWS_ON`,
+  `MIN_SQUARE_CUT_WORK_ON`), every product cut below them too, and the standard
+  iteration's m×m products whole at any size; on one that forms the Gram-space
+  products of two m×m matrices whole (`WHOLE_GRAM_SPACE_PRODUCTS_ON`), those cut too, in
+  at most `MAX_BLOCKS` and 4 block rows (Gram-space settings only)."""
   out = {}
   for name, settings in NS_ARMS.items():
     settings = settings if backend is None else settings.on(backend)
@@ -139,8 +150,12 @@ def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
     out[f"newton_schulz {name}, symmetric"] = (
         lambda x, s=settings: mo.newton_schulz(x, s), LIBRARY)
     if backend in symmetric.MIN_CUT_ROWS_ON:
-      out[f"newton_schulz {name}, X Xᵀ cut at any size"] = (
+      out[f"newton_schulz {name}, cut at any size"] = (
           lambda x, s=settings: mo.newton_schulz(x, s), cut_at_any_size)
+    if backend in symmetric.MIN_SQUARE_CUT_WORK_ON:
+      out[f"newton_schulz {name}, squares whole"] = (
+          lambda x, s=settings: mo.newton_schulz(x, s),
+          functools.partial(squares_whole, backend))
     if backend in symmetric.WHOLE_GRAM_SPACE_PRODUCTS_ON and settings.gram is not False:
       for most in (symmetric.MAX_BLOCKS, 4):
         out[f"newton_schulz {name}, Gram-space products cut, at most {most} block rows"] = (
@@ -203,7 +218,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   print(header("benchmarks.newton_schulz_symmetric", argv))
   print(f"Gaussian float32 input; min and median of {args.reps} interleaved calls per arm; "
         f"default block rows: {symmetric.MIN_BLOCK_ROWS} rows or more, at most "
-        f"{symmetric.MAX_BLOCKS}; X Xᵀ cut from {symmetric.MIN_CUT_ROWS_ON} rows on\n")
+        f"{symmetric.MAX_BLOCKS}; X Xᵀ cut from {symmetric.MIN_CUT_ROWS_ON} rows on, products "
+        f"of two m×m matrices from m²n {symmetric.MIN_SQUARE_CUT_WORK_ON} on, in at most "
+        f"{symmetric.MAX_SQUARE_BLOCKS_ON} block rows\n")
   if args.shapes:
     print("| shape | arm | GFLOP (compiled) | / whole | min ms | median ms | min / whole | "
           "median / whole | accuracy |\n|---|---|--:|--:|--:|--:|--:|--:|---|")

@@ -2,6 +2,8 @@
 (within float32's own rounding bound), their flops against XLA's count, and the whole
 iteration built on them against the SVD polar factor."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -161,8 +163,8 @@ def test_gpus_form_every_product_whole():
   """Measured slower in block rows on an H200, so a GPU's plan and iteration use whole
   products, while the CPU's cut them all."""
   assert block_count(4096, "gpu") == 1 and block_count(4096, "cpu") == symmetric.MAX_BLOCKS
-  assert block_count(4096, "cpu", gram_space=True) == symmetric.MAX_BLOCKS
-  assert block_count(4096, "cpu", k=4096) == symmetric.MAX_BLOCKS  # no cap on squares
+  assert block_count(4096, "cpu", of="gram_space") == symmetric.MAX_BLOCKS
+  assert block_count(4096, "cpu", of="squares") == symmetric.MAX_BLOCKS  # no cap on squares
   whole = mo.newton_schulz_plan((768, 3072), "turbo", backend="gpu", symmetric=False).flops
   assert mo.newton_schulz_plan((768, 3072), "turbo", backend="gpu").flops == whole
   assert mo.newton_schulz_plan((768, 3072), "turbo", backend="cpu").flops < whole
@@ -183,11 +185,12 @@ def test_a_tpu_forms_gram_space_products_whole(gram, shape, monkeypatch):
   (benchmarks/results/newton_schulz_symmetric.txt): the TPU's plan and the iteration
   traced on a TPU cut X Xᵀ and the standard iteration's products as the CPU's do, and
   form the Gram-space products whole (with the TPU's row floor lowered,
-  `MIN_CUT_ROWS_ON`, so that these small shapes are cut)."""
+  `MIN_CUT_ROWS_ON`, `MIN_SQUARE_CUT_WORK_ON`, so that these small shapes are cut)."""
   monkeypatch.setitem(symmetric.MIN_CUT_ROWS_ON, "tpu", 0)
-  assert block_count(4096, "tpu", k=14336) == symmetric.MAX_BLOCKS
-  assert block_count(4096, "tpu") == symmetric.MAX_SQUARE_BLOCKS_ON["tpu"] == 4
-  assert block_count(4096, "tpu", gram_space=True) == 1
+  monkeypatch.setitem(symmetric.MIN_SQUARE_CUT_WORK_ON, "tpu", 0)
+  assert block_count(4096, "tpu") == symmetric.MAX_BLOCKS
+  assert block_count(4096, "tpu", of="squares") == symmetric.MAX_SQUARE_BLOCKS_ON["tpu"] == 4
+  assert block_count(4096, "tpu", of="gram_space") == 1
   m, _ = shape
   ns = mo.NewtonSchulz("jordan", steps=5, gram=gram).on("tpu")
   plan = mo.newton_schulz_plan(shape, ns, backend="tpu")
@@ -207,20 +210,37 @@ def test_a_tpu_forms_gram_space_products_whole(gram, shape, monkeypatch):
   assert plan.flops == on_cpu + formed_whole * saved
 
 
-def test_a_tpu_cuts_products_of_two_squares_in_at_most_4_block_rows(monkeypatch):
-  """On a v5p chip 8 block rows of a 3072² iteration ran slower than whole products, 4
-  faster (benchmarks/results/newton_schulz_symmetric.txt): traced as on a TPU, a product
-  of two m×m matrices is cut into at most 4 block rows, X Xᵀ of a wide X into 8, and
-  the plan counts the same."""
+def dot_count(fn, *shapes):
+  """How many products `fn` traces on arrays of these shapes (its block rows)."""
+  jaxpr = jax.make_jaxpr(fn)(*map(jnp.ones, shapes)).jaxpr
+  return sum(e.primitive.name == "dot_general" for e in iter_eqns(jaxpr))
+
+
+@pytest.mark.parametrize("shape", [(3072, 3072), (3072, 6144), (3072, 12288), (4096, 4096)])
+def test_a_tpu_cuts_products_of_two_squares_in_large_steps_in_at_most_4_block_rows(
+    shape, monkeypatch):
+  """On a v5p chip the standard iteration ran faster by the roofline with its squares
+  whole on 3072² and 3072×6144, with them cut on 3072×12288 and 4096², the last in 4
+  block rows rather than 8 (benchmarks/results/newton_schulz_symmetric.txt): traced as
+  on a TPU, the iteration of an m×n X cuts its products of two m×m matrices from m²n =
+  4096³ on, in at most 4 block rows, its X Xᵀ in 8 (of a square X too), as its plan
+  counts."""
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  def block_rows(fn, *shapes):
-    jaxpr = jax.make_jaxpr(fn)(*map(jnp.ones, shapes)).jaxpr
-    return sum(e.primitive.name == "dot_general" for e in iter_eqns(jaxpr))
-  assert block_rows(lambda a: symmetric_product(a, a, MM), (4096, 4096)) == 4
-  assert block_rows(lambda x: symmetric_gram(x, MM), (4096, 4096)) == 4
-  assert block_rows(lambda x: symmetric_gram(x, MM), (4096, 8192)) == symmetric.MAX_BLOCKS
-  assert symmetric_flops(4096, 4096, backend="tpu") == symmetric_flops(4096, 4096, 4)
-  assert symmetric_flops(4096, 8192, backend="tpu") == symmetric_flops(4096, 8192, 8)
+  m, n = shape
+  assert symmetric.MIN_SQUARE_CUT_WORK_ON["tpu"] == 4096**3
+  square_blocks = 4 if m * m * n >= 4096**3 else 1
+  assert block_count(m, "tpu", of="squares", n=n) == square_blocks
+  assert dot_count(lambda x: symmetric_gram(x, MM), shape) == symmetric.MAX_BLOCKS
+  squares = functools.partial(symmetric_product, matmul=MM, of="squares", n=n)
+  assert dot_count(lambda a: squares(a, a), (m, m)) == square_blocks
+  # The standard iteration, traced as on a TPU: per step X Xᵀ in 8 block rows, the
+  # square in its block rows and one product with X, as its plan counts.
+  ns = mo.NewtonSchulz(gram=False).on("tpu")
+  plan = mo.newton_schulz_plan(shape, ns, backend="tpu")
+  assert dot_count(lambda x: mo.newton_schulz(x, ns), shape) == plan.steps * (
+      symmetric.MAX_BLOCKS + square_blocks + 1)
+  assert plan.flops == plan.steps * (symmetric_flops(m, n, 8) + 2 * m * m * n
+                                     + symmetric_flops(m, m, square_blocks))
 
 
 def test_a_tpu_forms_x_xt_whole_below_its_row_floor(monkeypatch):

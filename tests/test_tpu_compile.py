@@ -218,8 +218,9 @@ def test_a_tpu_mesh_forms_its_products_whole(chips, monkeypatch):
 
 def test_the_symmetric_benchmark_prices_the_tpu_row_floor(capsys):
   # Compiled for one v5p chip, every arm of the benchmark prices its products: below the
-  # floor the default's X Xᵀ is whole (its "symmetric" row, and those of the arms that
-  # cut differently above it, equal the whole products'), and the floor lifted cuts it.
+  # floors the default's products are whole (its "symmetric" row, and those of the arms
+  # that cut differently above them, equal the whole products'), and the floors lifted
+  # cut them.
   from benchmarks import newton_schulz_symmetric
   newton_schulz_symmetric.main(["--shapes", "", "--platform", "tpu", "--flops-only", "512x1024"])
   rows = {cells[2]: float(cells[3]) for line in capsys.readouterr().out.splitlines()
@@ -228,7 +229,8 @@ def test_the_symmetric_benchmark_prices_the_tpu_row_floor(capsys):
   for arm in newton_schulz_symmetric.NS_ARMS:
     whole = rows[f"newton_schulz {arm}, whole products"]
     assert rows[f"newton_schulz {arm}, symmetric"] == whole
-    assert rows[f"newton_schulz {arm}, X Xᵀ cut at any size"] < 0.95 * whole
+    assert rows[f"newton_schulz {arm}, cut at any size"] < 0.95 * whole
+    assert rows[f"newton_schulz {arm}, squares whole"] == whole
   for name, flops in rows.items():
     if "Gram-space products cut" in name:
       assert flops == rows[name.split(", ")[0] + ", whole products"]

@@ -242,7 +242,8 @@ def _newton_schulz(x: jax.Array, ns: NewtonSchulz, blocks: Optional[int]) -> jax
   else:
     gram_space = newton_schulz_plan(wide.shape[-2:], ns).variant == "gram"
     out = _orthogonalize_wide(wide, wide.shape[-2:], whole, ns,
-                              whole_rows(blocks=blocks, gram_space=gram_space))
+                              whole_rows(blocks=blocks, gram_space=gram_space,
+                                         cols=wide.shape[-1]))
   return _t(out) if tall else out
 
 

@@ -72,13 +72,15 @@ def _identity(x):
 
 
 def whole_rows(reduce: Reduce = whole, blocks: Optional[int] = None,
-               gram_space: bool = False) -> RowBlocks:
+               gram_space: bool = False, cols: Optional[int] = None) -> RowBlocks:
   """Every part holds all rows: the m×m work is repeated on each part, and a Gram sum
   is `reduce` over the parts. Every m×m product of the iteration is of two commuting
   symmetric matrices, so it is computed as a symmetric one (`symmetric_product`) in
   `blocks` block rows (None: `block_count`'s, for the Gram-space iteration's products
-  with `gram_space`; 1: whole)."""
+  with `gram_space`, in the iteration of an X of `cols` columns; 1: whole)."""
   return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity,
                    jnp.matrix_transpose,
                    times=functools.partial(symmetric_product, blocks=blocks,
-                                           gram_space=gram_space), blocks=blocks)
+                                           of="gram_space" if gram_space else "squares",
+                                           n=cols),
+                   blocks=blocks)

@@ -11,7 +11,7 @@ backend compiles. The blocks off the diagonal mirror each other exactly.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,43 +32,53 @@ MAX_BLOCKS = 8
 # (benchmarks/results/accelerator_h200.txt against its first run), as narrow strips
 # fill few of its multiprocessors.
 WHOLE_PRODUCTS_ON = ("gpu",)
+# What a symmetric product multiplies, as its block rows are priced: X by Xᵀ, two m×m
+# matrices of the standard iteration, or two of the Gram-space iteration.
+ProductOf = Literal["x_xt", "squares", "gram_space"]
 # Platforms that form the Gram-space iteration's products of two m×m matrices whole,
 # and cut its X Xᵀ and every symmetric product of the standard iteration: compiled for
 # a v5p chip, block rows of those m×m products cost more HBM bytes than their flops
 # save, while the standard iteration's pay for theirs (the v5p roofline rows of
 # benchmarks/results/newton_schulz_symmetric.txt).
 WHOLE_GRAM_SPACE_PRODUCTS_ON = ("tpu",)
-# At most this many block rows for a product of two m×m matrices (inner dimension m: the
-# standard iteration's on a square X) on these platforms: on a v5p chip the default on
-# 3072² ran slower by the roofline in 8 block rows than whole, faster in 4; on 4096²
-# both ran faster than whole (benchmarks/results/newton_schulz_symmetric.txt).
-MAX_SQUARE_BLOCKS_ON = {"tpu": 4}
 # Platforms that cut products only from this many rows: on a v5p chip the block rows of
 # a smaller X Xᵀ add more HBM bytes than the flops they save (whole X Xᵀ ran the default
 # iteration faster by the roofline at 1024, 1536 and 2048 rows, its block rows at 3072
 # and 4096: the row sweeps in benchmarks/results/newton_schulz_symmetric.txt).
 MIN_CUT_ROWS_ON = {"tpu": 3072}
+# Products of two m×m matrices on these platforms: cut only in the iteration of an m×n X
+# (m ≤ n) with m²n at least this (the work of its X Xᵀ and of its product with X), in at
+# most this many block rows. Compiled for a v5p chip, the squares' block rows cost more
+# HBM bytes than they save in flops until those products with X are large enough to
+# hide them: the standard iteration ran faster with them whole on 3072² and 3072×4608,
+# even on 3072×6144, faster with them cut on 3072×9216, 3072×12288 and 4096² (the last in
+# 4 block rows rather than 8): the v5p rows of benchmarks/results/newton_schulz_symmetric.txt.
+MIN_SQUARE_CUT_WORK_ON = {"tpu": 4096**3}
+MAX_SQUARE_BLOCKS_ON = {"tpu": 4}
 
 
-def block_count(m: int, backend: Optional[str] = None, *, k: Optional[int] = None,
-                gram_space: bool = False) -> int:
-  """How many block rows a symmetric m×m product with inner dimension `k` (default: m)
-  is cut into on `backend` (default: jax's; 1: the whole product): X Xᵀ or a product of
-  the standard iteration, or with `gram_space` a product of two m×m matrices of the
-  Gram-space iteration."""
+def block_count(m: int, backend: Optional[str] = None, *, of: ProductOf = "x_xt",
+                n: Optional[int] = None) -> int:
+  """How many block rows a symmetric m×m product `of` these factors is cut into on
+  `backend` (default: jax's; 1: the whole product), in the iteration of an m×n X
+  (`n`, default m)."""
   backend = backend or jax.default_backend()
-  if (backend in WHOLE_PRODUCTS_ON or (gram_space and backend in WHOLE_GRAM_SPACE_PRODUCTS_ON)
-      or m < MIN_CUT_ROWS_ON.get(backend, 0)):
+  if backend in WHOLE_PRODUCTS_ON or m < MIN_CUT_ROWS_ON.get(backend, 0):
     return 1
-  most = MAX_SQUARE_BLOCKS_ON.get(backend, MAX_BLOCKS) if k in (None, m) else MAX_BLOCKS
+  most = MAX_BLOCKS
+  if of != "x_xt":
+    if ((of == "gram_space" and backend in WHOLE_GRAM_SPACE_PRODUCTS_ON)
+        or m * m * (n or m) < MIN_SQUARE_CUT_WORK_ON.get(backend, 0)):
+      return 1
+    most = MAX_SQUARE_BLOCKS_ON.get(backend, MAX_BLOCKS)
   return max(1, min(m // MIN_BLOCK_ROWS, most))
 
 
-def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None, k: Optional[int] = None,
-          gram_space: bool = False) -> list[int]:
+def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None,
+          of: ProductOf = "x_xt", n: Optional[int] = None) -> list[int]:
   """Block row boundaries 0 = c_0 < … < c_b = m, blocks of equal size but the last."""
   if blocks is None:
-    blocks = block_count(m, backend, k=k, gram_space=gram_space)
+    blocks = block_count(m, backend, of=of, n=n)
   if not 1 <= blocks <= m:
     raise ValueError(f"a symmetric product of {m} rows takes 1 to {m} block rows, got {blocks}")
   size = -(-m // blocks)
@@ -76,20 +86,21 @@ def _cuts(m: int, blocks: Optional[int], backend: Optional[str] = None, k: Optio
 
 
 def symmetric_flops(m: int, k: int, blocks: Optional[int] = None,
-                    backend: Optional[str] = None, *, gram_space: bool = False) -> int:
-  """Matmul flops of an m×m symmetric product with inner dimension k (with `gram_space`:
-  of two m×m matrices of the Gram-space iteration), as computed here on `backend` (2m²k
-  when whole)."""
-  cuts = _cuts(m, blocks, backend, k, gram_space)
+                    backend: Optional[str] = None, *, of: ProductOf = "x_xt",
+                    n: Optional[int] = None) -> int:
+  """Matmul flops of an m×m symmetric product `of` these factors with inner dimension
+  k, in the iteration of an m×n X, as computed here on `backend` (2m²k when whole)."""
+  cuts = _cuts(m, blocks, backend, of, n)
   return sum(2 * (stop - start) * k * (m - start) for start, stop in zip(cuts[:-1], cuts[1:]))
 
 
 def symmetric_product(a: jax.Array, b: jax.Array, matmul: Matmul,
-                      blocks: Optional[int] = None, *, gram_space: bool = False) -> jax.Array:
+                      blocks: Optional[int] = None, *, of: ProductOf = "x_xt",
+                      n: Optional[int] = None) -> jax.Array:
   """`matmul(a, b)` for (..., m, k) `a` and (..., k, m) `b` whose product is symmetric
-  (the caller knows: X Xᵀ, or two commuting symmetric matrices), from its upper block
-  triangle in (at most) `blocks` block rows, default `block_count`'s (`gram_space`: a
-  product of two m×m matrices of the Gram-space iteration).
+  (the caller knows: X Xᵀ, or two commuting symmetric matrices, `of`), from its upper
+  block triangle in (at most) `blocks` block rows, default `block_count`'s for the
+  iteration of an m×n X.
 
   Both factors are read as the product reads them (`matmul.operand`) once, before they
   are cut. Each block row is `matmul` of a's rows and b's columns from the diagonal on,
@@ -100,7 +111,7 @@ def symmetric_product(a: jax.Array, b: jax.Array, matmul: Matmul,
   m = a.shape[-2]
   if b.shape[-1] != m:
     raise ValueError(f"a symmetric product is square: a has {m} rows, b {b.shape[-1]} columns")
-  cuts = _cuts(m, blocks, k=a.shape[-1], gram_space=gram_space)
+  cuts = _cuts(m, blocks, of=of, n=n)
   if len(cuts) == 2:
     return matmul(a, b)
   a, b = matmul.operand(a), matmul.operand(b)

@@ -112,9 +112,9 @@ def shared_settings(ns: NewtonSchulz, devices: int) -> NewtonSchulz:
   return ns
 
 
-def whole_product_flops(m: int, k: int, *, gram_space: bool = False) -> int:
-  """Matmul flops of an m×m product with inner dimension k, computed whole
-  (`gram_space`, as in `symmetric_flops`, changes nothing)."""
+def whole_product_flops(m: int, k: int, *, of: str = "x_xt", n: Optional[int] = None) -> int:
+  """Matmul flops of an m×m product with inner dimension k, computed whole (`of` and
+  `n`, as in `symmetric_flops`, change nothing)."""
   return 2 * m * m * k
 
 
@@ -127,7 +127,7 @@ def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]],
   do each restart's R ← X Xᵀ and X ← Q X. Inside a segment of k steps, each quintic
   step squares R (a cubic one, c = 0, does not: `quintic`, per step, default all), all
   but the first update Q ← P Q and all but the last update R ← P (P R): products of
-  commuting symmetric m×m matrices, each symmetric. `product(m, k, gram_space=True)` counts a
+  commuting symmetric m×m matrices, each symmetric. `product(m, k, of=...)` counts a
   symmetric product (`whole_product_flops` where they are computed whole).
   """
   m, n = min(m, n), max(m, n)
@@ -135,7 +135,7 @@ def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]],
   squares = steps if quintic is None else sum(map(bool, quintic[:steps]))
   return ((product(m, n) + 2 * m * m * n) * len(parts)
           + (squares + sum(3 * (stop - start - 1) for start, stop in parts))
-          * product(m, m, gram_space=True))
+          * product(m, m, of="gram_space"))
 
 
 def standard_flops(m: int, n: int, steps: int, quintic: Optional[Sequence[bool]] = None,
@@ -145,7 +145,7 @@ def standard_flops(m: int, n: int, steps: int, quintic: Optional[Sequence[bool]]
   step (`quintic`, default all), the symmetric b A + c A²."""
   m, n = min(m, n), max(m, n)
   squares = steps if quintic is None else sum(map(bool, quintic[:steps]))
-  return (product(m, n) + 2 * m * m * n) * steps + squares * product(m, m)
+  return (product(m, n) + 2 * m * m * n) * steps + squares * product(m, m, of="squares", n=n)
 
 
 def quintic_steps(coeffs: Any) -> Optional[list[bool]]:
