@@ -36,9 +36,9 @@ WHOLE_PRODUCTS_ON = ("gpu",)
 # matrices of the standard iteration, or two of the Gram-space iteration.
 ProductOf = Literal["x_xt", "squares", "gram_space"]
 # Platforms that form the Gram-space iteration's products of two m×m matrices whole,
-# and cut its X Xᵀ and every symmetric product of the standard iteration: compiled for
-# a v5p chip, block rows of those m×m products cost more HBM bytes than their flops
-# save, while the standard iteration's pay for theirs (the v5p roofline rows of
+# and cut its X Xᵀ: compiled for a v5p chip, block rows of those m×m products cost more
+# HBM bytes than their flops save, while the standard iteration's pay for theirs in large
+# enough steps (`MIN_SQUARE_CUT_WORK_ON`; the v5p roofline rows of
 # benchmarks/results/newton_schulz_symmetric.txt).
 WHOLE_GRAM_SPACE_PRODUCTS_ON = ("tpu",)
 # Platforms that cut products only from this many rows: on a v5p chip the block rows of

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
-from muon_optax._newton_schulz.symmetric import symmetric_flops
+from muon_optax._newton_schulz.symmetric import ProductOf, symmetric_flops
 
 # Gram-space iteration: the m×m state is rebuilt from X before some steps (0-based).
 # Nothing in Gram space corrects rounding, where the standard iteration, contracting
@@ -112,7 +112,8 @@ def shared_settings(ns: NewtonSchulz, devices: int) -> NewtonSchulz:
   return ns
 
 
-def whole_product_flops(m: int, k: int, *, of: str = "x_xt", n: Optional[int] = None) -> int:
+def whole_product_flops(m: int, k: int, *, of: ProductOf = "x_xt",
+                        n: Optional[int] = None) -> int:
   """Matmul flops of an m×m product with inner dimension k, computed whole (`of` and
   `n`, as in `symmetric_flops`, change nothing)."""
   return 2 * m * m * k
