@@ -18,7 +18,7 @@ from muon_optax._newton_schulz.operands import (
 )
 from muon_optax._newton_schulz.row_blocks import RowBlocks, whole_rows
 from muon_optax._newton_schulz.settings import DEFAULT_NS, NS, NewtonSchulz, as_newton_schulz
-from muon_optax._newton_schulz.variant import newton_schulz_plan, shared_settings
+from muon_optax._newton_schulz.variant import NSPlan, newton_schulz_plan, shared_settings
 from muon_optax._util.order import after
 
 
@@ -240,10 +240,10 @@ def _newton_schulz(x: jax.Array, ns: NewtonSchulz, blocks: Optional[int]) -> jax
   if ns.fn is not None:  # a custom function takes a (count, m, n) stack
     out = ns.fn(wide.reshape(-1, *wide.shape[-2:])).reshape(wide.shape)
   else:
-    gram_space = newton_schulz_plan(wide.shape[-2:], ns).variant == "gram"
+    plan = newton_schulz_plan(wide.shape[-2:], ns)
     out = _orthogonalize_wide(wide, wide.shape[-2:], whole, ns,
-                              whole_rows(blocks=blocks, gram_space=gram_space,
-                                         cols=wide.shape[-1]))
+                              whole_rows(blocks=blocks, gram_space=plan.variant == "gram",
+                                         cols=wide.shape[-1]), plan)
   return _t(out) if tall else out
 
 
@@ -267,9 +267,11 @@ def newton_schulz_column_parts(x: jax.Array, parts: int, reduce: Reduce,
                              rows or whole_rows(reduce, blocks=1))
 
 
-def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowBlocks):
-  """The iteration on wide (m ≤ n) matrices of logical (m, n) `shape`."""
-  plan = newton_schulz_plan(shape, ns)
+def _orthogonalize_wide(x, shape, reduce: Reduce, ns: NewtonSchulz, blocks: RowBlocks,
+                        plan: Optional[NSPlan] = None):
+  """The iteration on wide (m ≤ n) matrices of logical (m, n) `shape`, as `plan`
+  (default: `newton_schulz_plan`'s for them) says."""
+  plan = plan or newton_schulz_plan(shape, ns)
   cdt, precision = jnp.dtype(plan.compute_dtype), jax.lax.Precision[plan.precision]
   coeffs = ns.coefficients()
   # Scale in at least float32 so that scale invariance holds for 16-bit inputs too.
