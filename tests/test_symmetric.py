@@ -170,10 +170,15 @@ def test_gpus_form_every_product_whole():
   assert mo.newton_schulz_plan((768, 3072), "turbo", backend="cpu").flops < whole
 
 
+def traced_dots(fn, *shapes):
+  """The products `fn` traces on arrays of ones of these shapes (block rows each one)."""
+  jaxpr = jax.make_jaxpr(fn)(*map(jnp.ones, shapes)).jaxpr
+  return [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+
+
 def whole_square_products(x, ns, m):
   """How many products of two whole m×m matrices `newton_schulz(x, ns)` traces."""
-  jaxpr = jax.make_jaxpr(lambda x: mo.newton_schulz(x, ns))(x).jaxpr
-  dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  dots = traced_dots(lambda x: mo.newton_schulz(x, ns), x.shape)
   return sum(all(v.aval.shape[-2:] == (m, m) for v in e.invars) for e in dots)
 
 
@@ -212,8 +217,7 @@ def test_a_tpu_forms_gram_space_products_whole(gram, shape, monkeypatch):
 
 def dot_count(fn, *shapes):
   """How many products `fn` traces on arrays of these shapes (its block rows)."""
-  jaxpr = jax.make_jaxpr(fn)(*map(jnp.ones, shapes)).jaxpr
-  return sum(e.primitive.name == "dot_general" for e in iter_eqns(jaxpr))
+  return len(traced_dots(fn, *shapes))
 
 
 @pytest.mark.parametrize("shape", [(3072, 3072), (3072, 6144), (3072, 12288), (4096, 4096)])
