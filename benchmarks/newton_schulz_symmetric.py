@@ -73,9 +73,10 @@ def whole_products():
 
 @contextlib.contextmanager
 def cut_at_any_size():
-  """While tracing: every product cut at any size, below a platform's row floors too."""
+  """While tracing: every product cut at any size, below a platform's floors too."""
   with (mock.patch.object(symmetric, "MIN_CUT_ROWS_ON", {}),
-        mock.patch.object(symmetric, "MIN_SQUARE_CUT_WORK_ON", {})):
+        mock.patch.object(symmetric, "MIN_SQUARE_CUT_WORK_ON", {}),
+        mock.patch.object(symmetric, "MIN_GRAM_SPACE_X_XT_CUT_WORK_ON", {})):
     yield
 
 
@@ -113,10 +114,11 @@ def roofline_ms(exe) -> float:
 @contextlib.contextmanager
 def gram_space_products_cut(blocks: int = symmetric.MAX_BLOCKS):
   """While tracing: the Gram-space iteration's products of two m×m matrices cut too
-  (not whole, as on a TPU), every product in at most `blocks` block rows."""
+  (not whole, as on a TPU), and its X Xᵀ, every product in at most `blocks` block rows."""
   with (mock.patch.object(symmetric, "WHOLE_GRAM_SPACE_PRODUCTS_ON", ()),
         mock.patch.object(symmetric, "MAX_SQUARE_BLOCKS_ON", {}),
         mock.patch.object(symmetric, "MIN_SQUARE_CUT_WORK_ON", {}),
+        mock.patch.object(symmetric, "MIN_GRAM_SPACE_X_XT_CUT_WORK_ON", {}),
         mock.patch.object(symmetric, "MAX_BLOCKS", blocks)):
     yield
 
@@ -136,9 +138,9 @@ def product_arms(blocks: Sequence[int]) -> dict[str, tuple]:
 
 def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
   """name -> (fn of x, the context it is traced in), with the settings "auto" picks on
-  `backend` (default: here); on a platform with row floors (`MIN_CUT_ROWS_ON`,
-  `MIN_SQUARE_CUT_WORK_ON`), every product cut below them too, and the standard
-  iteration's m×m products whole at any size; on one that forms the Gram-space
+  `backend` (default: here); on a platform with floors (`MIN_CUT_ROWS_ON`,
+  `MIN_SQUARE_CUT_WORK_ON`, `MIN_GRAM_SPACE_X_XT_CUT_WORK_ON`), every product cut below
+  them too, and the standard iteration's m×m products whole at any size; on one that forms the Gram-space
   products of two m×m matrices whole (`WHOLE_GRAM_SPACE_PRODUCTS_ON`), those cut too, in
   at most `MAX_BLOCKS` and 4 block rows (Gram-space settings only)."""
   out = {}
@@ -220,7 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         f"default block rows: {symmetric.MIN_BLOCK_ROWS} rows or more, at most "
         f"{symmetric.MAX_BLOCKS}; X Xᵀ cut from {symmetric.MIN_CUT_ROWS_ON} rows on, products "
         f"of two m×m matrices from m²n {symmetric.MIN_SQUARE_CUT_WORK_ON} on, in at most "
-        f"{symmetric.MAX_SQUARE_BLOCKS_ON} block rows\n")
+        f"{symmetric.MAX_SQUARE_BLOCKS_ON} block rows; the Gram-space iteration's X Xᵀ "
+        f"from m²n {symmetric.MIN_GRAM_SPACE_X_XT_CUT_WORK_ON} on\n")
   if args.shapes:
     print("| shape | arm | GFLOP (compiled) | / whole | min ms | median ms | min / whole | "
           "median / whole | accuracy |\n|---|---|--:|--:|--:|--:|--:|--:|---|")

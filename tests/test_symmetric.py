@@ -190,9 +190,10 @@ def test_a_tpu_forms_gram_space_products_whole(gram, shape, monkeypatch):
   (benchmarks/results/newton_schulz_symmetric.txt): the TPU's plan and the iteration
   traced on a TPU cut X Xᵀ and the standard iteration's products as the CPU's do, and
   form the Gram-space products whole (with the TPU's row floor lowered,
-  `MIN_CUT_ROWS_ON`, `MIN_SQUARE_CUT_WORK_ON`, so that these small shapes are cut)."""
-  monkeypatch.setitem(symmetric.MIN_CUT_ROWS_ON, "tpu", 0)
-  monkeypatch.setitem(symmetric.MIN_SQUARE_CUT_WORK_ON, "tpu", 0)
+  `MIN_CUT_ROWS_ON`, `MIN_SQUARE_CUT_WORK_ON`, `MIN_GRAM_SPACE_X_XT_CUT_WORK_ON`, so
+  that these small shapes are cut)."""
+  for floor in ("MIN_CUT_ROWS_ON", "MIN_SQUARE_CUT_WORK_ON", "MIN_GRAM_SPACE_X_XT_CUT_WORK_ON"):
+    monkeypatch.setitem(getattr(symmetric, floor), "tpu", 0)
   assert block_count(4096, "tpu") == symmetric.MAX_BLOCKS
   assert block_count(4096, "tpu", of="squares") == symmetric.MAX_SQUARE_BLOCKS_ON["tpu"] == 4
   assert block_count(4096, "tpu", of="gram_space") == 1
@@ -245,6 +246,34 @@ def test_a_tpu_cuts_products_of_two_squares_in_large_steps_in_at_most_4_block_ro
       symmetric.MAX_BLOCKS + square_blocks + 1)
   assert plan.flops == plan.steps * (symmetric_flops(m, n, 8) + 2 * m * m * n
                                      + symmetric_flops(m, m, square_blocks))
+
+
+@pytest.mark.parametrize("shape", [(3072, 6144), (3072, 8192)])
+def test_a_tpu_cuts_the_gram_space_x_xt_in_large_steps_only(shape, monkeypatch):
+  """On a v5p chip the Gram-space default ran faster by the roofline with its X Xᵀ whole
+  on 3072×6144, cut on 3072×8192 (benchmarks/results/newton_schulz_symmetric.txt): traced
+  as on a TPU, the Gram-space iteration of an m×n X cuts its X Xᵀ (once a segment) from
+  m²n = 4096³ on, in 8 block rows, as its plan counts, while the standard iteration cuts
+  its X Xᵀ at both sizes."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  m, n = shape
+  assert symmetric.MIN_GRAM_SPACE_X_XT_CUT_WORK_ON["tpu"] == 4096**3
+  blocks = symmetric.MAX_BLOCKS if m * m * n >= 4096**3 else 1
+  assert block_count(m, "tpu", of="gram_space_x_xt", n=n) == blocks
+  assert block_count(m, "tpu", of="x_xt", n=n) == symmetric.MAX_BLOCKS
+  assert dot_count(lambda x: symmetric_gram(x, MM, gram_space=True), shape) == blocks
+  assert dot_count(lambda x: symmetric_gram(x, MM), shape) == symmetric.MAX_BLOCKS
+  ns = mo.NewtonSchulz().on("tpu")
+  plan = mo.newton_schulz_plan(shape, ns, backend="tpu")
+  assert plan.variant == "gram"
+  # X Xᵀ's block rows are the products contracting X's n columns, one X Xᵀ a segment;
+  # the rest of the plan is formed whole on a TPU.
+  x_xt = [e for e in traced_dots(lambda x: mo.newton_schulz(x, ns), shape)
+          if e.invars[0].aval.shape[-1] == n]
+  assert len(x_xt) == len(plan.segments) * blocks
+  whole = mo.newton_schulz_plan(shape, ns, backend="tpu", symmetric=False).flops
+  assert plan.flops - whole == len(plan.segments) * (symmetric_flops(m, n, blocks)
+                                                     - 2 * m * m * n)
 
 
 def test_a_tpu_forms_x_xt_whole_below_its_row_floor(monkeypatch):

@@ -204,11 +204,12 @@ def test_exchange_buffers_are_read_where_the_collectives_write_them(chips, kind)
 def test_a_tpu_mesh_forms_its_products_whole(chips, monkeypatch):
   # Block rows' slices and joins cost a TPU more HBM traffic than their flops save
   # (benchmarks/results/mesh_products.txt): a mesh forms every product whole, even
-  # where one chip would cut X Xᵀ (its row floor lowered here to this small shape).
+  # where one chip would cut X Xᵀ (its floors lowered here to this small shape).
   from test_orthogonalize import mesh_update_flops
 
   from muon_optax._newton_schulz import symmetric
   monkeypatch.setitem(symmetric.MIN_CUT_ROWS_ON, "tpu", 0)
+  monkeypatch.setitem(symmetric.MIN_GRAM_SPACE_X_XT_CUT_WORK_ON, "tpu", 0)
   mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
   ns = mo.NewtonSchulz().on("tpu")
   whole = mo.newton_schulz_plan((512, 1024), ns, backend="tpu", symmetric=False).flops

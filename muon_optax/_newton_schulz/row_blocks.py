@@ -35,6 +35,8 @@ class RowBlocks(NamedTuple):
       a few rows at a time, dividing only each block of rows, twice.
     blocks: the block rows a symmetric product of whole rows is cut into
       (`symmetric_product`; None: `block_count`'s, 1: whole products).
+    gram_space: whether whole rows' X Xᵀ starts the Gram-space iteration (its
+      `block_count` differs from the standard iteration's).
   """
 
   sum_rows: Callable[[jax.Array], jax.Array]
@@ -45,6 +47,7 @@ class RowBlocks(NamedTuple):
   applied: Optional[Callable[[jax.Array, jax.Array, Callable], jax.Array]] = None
   gram: Optional[Callable[[jax.Array, Callable, Optional[jax.Array]], jax.Array]] = None
   blocks: Optional[int] = None
+  gram_space: bool = False
 
   def apply(self, m, x, mm: Matmul):
     """M X (this part's columns), from this part's rows of M."""
@@ -60,7 +63,7 @@ class RowBlocks(NamedTuple):
       return self.gram(x, mm, peak)
     if peak is not None:
       raise ValueError("whole rows take X already divided by its peak, not the peak")
-    return self.sum_rows(symmetric_gram(x, mm, self.blocks))
+    return self.sum_rows(symmetric_gram(x, mm, self.blocks, gram_space=self.gram_space))
 
   def product(self, a, b, mm: Matmul):
     """This part's rows of A B, from this part's rows of A and of B."""
@@ -77,10 +80,10 @@ def whole_rows(reduce: Reduce = whole, blocks: Optional[int] = None,
   is `reduce` over the parts. Every m×m product of the iteration is of two commuting
   symmetric matrices, so it is computed as a symmetric one (`symmetric_product`) in
   `blocks` block rows (None: `block_count`'s, for the Gram-space iteration's products
-  with `gram_space`, in the iteration of an X of `cols` columns; 1: whole)."""
+  and X Xᵀ with `gram_space`, in the iteration of an X of `cols` columns; 1: whole)."""
   return RowBlocks(lambda partial: reduce(partial, jnp.add), _identity, _identity,
                    jnp.matrix_transpose,
                    times=functools.partial(symmetric_product, blocks=blocks,
                                            of="gram_space" if gram_space else "squares",
                                            n=cols),
-                   blocks=blocks)
+                   blocks=blocks, gram_space=gram_space)

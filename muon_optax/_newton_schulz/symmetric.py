@@ -32,9 +32,10 @@ MAX_BLOCKS = 8
 # (benchmarks/results/accelerator_h200.txt against its first run), as narrow strips
 # fill few of its multiprocessors.
 WHOLE_PRODUCTS_ON = ("gpu",)
-# What a symmetric product multiplies, as its block rows are priced: X by Xᵀ, two m×m
+# What a symmetric product multiplies, as its block rows are priced: X by Xᵀ in the
+# standard iteration (every step) or in the Gram-space one (once a segment), two m×m
 # matrices of the standard iteration, or two of the Gram-space iteration.
-ProductOf = Literal["x_xt", "squares", "gram_space"]
+ProductOf = Literal["x_xt", "gram_space_x_xt", "squares", "gram_space"]
 # Platforms that form the Gram-space iteration's products of two m×m matrices whole,
 # and cut its X Xᵀ: compiled for a v5p chip, block rows of those m×m products cost more
 # HBM bytes than their flops save, while the standard iteration's pay for theirs in large
@@ -55,6 +56,13 @@ MIN_CUT_ROWS_ON = {"tpu": 3072}
 # 4 block rows rather than 8): the v5p rows of benchmarks/results/newton_schulz_symmetric.txt.
 MIN_SQUARE_CUT_WORK_ON = {"tpu": 4096**3}
 MAX_SQUARE_BLOCKS_ON = {"tpu": 4}
+# X Xᵀ of the Gram-space iteration on these platforms: cut only where m²n is at least
+# this. It runs once a segment, not every step, so its block rows' HBM bytes are hidden
+# only in as large a step as the squares' are: compiled for a v5p chip, the Gram-space
+# default ran faster with it whole on 3072×6144 (2.28 ms against 2.38), with it cut on
+# 3072×8192 to 3072×12288; on 3072×7168, just under the floor, 1% faster cut (2.42
+# against 2.45: benchmarks/results/newton_schulz_symmetric.txt).
+MIN_GRAM_SPACE_X_XT_CUT_WORK_ON = {"tpu": 4096**3}
 
 
 def block_count(m: int, backend: Optional[str] = None, *, of: ProductOf = "x_xt",
@@ -65,10 +73,12 @@ def block_count(m: int, backend: Optional[str] = None, *, of: ProductOf = "x_xt"
   backend = backend or jax.default_backend()
   if backend in WHOLE_PRODUCTS_ON or m < MIN_CUT_ROWS_ON.get(backend, 0):
     return 1
-  most = MAX_BLOCKS
-  if of != "x_xt":
+  work, most = m * m * (n or m), MAX_BLOCKS
+  if of == "gram_space_x_xt" and work < MIN_GRAM_SPACE_X_XT_CUT_WORK_ON.get(backend, 0):
+    return 1
+  if of in ("squares", "gram_space"):
     if ((of == "gram_space" and backend in WHOLE_GRAM_SPACE_PRODUCTS_ON)
-        or m * m * (n or m) < MIN_SQUARE_CUT_WORK_ON.get(backend, 0)):
+        or work < MIN_SQUARE_CUT_WORK_ON.get(backend, 0)):
       return 1
     most = MAX_SQUARE_BLOCKS_ON.get(backend, MAX_BLOCKS)
   return max(1, min(m // MIN_BLOCK_ROWS, most))
@@ -127,6 +137,9 @@ def symmetric_product(a: jax.Array, b: jax.Array, matmul: Matmul,
   return jnp.concatenate(rows, axis=-2)
 
 
-def symmetric_gram(x: jax.Array, matmul: Matmul, blocks: Optional[int] = None) -> jax.Array:
-  """X Xᵀ of (..., m, n) `x` by `symmetric_product`."""
-  return symmetric_product(x, jnp.swapaxes(x, -1, -2), matmul, blocks)
+def symmetric_gram(x: jax.Array, matmul: Matmul, blocks: Optional[int] = None, *,
+                   gram_space: bool = False) -> jax.Array:
+  """X Xᵀ of (..., m, n) `x` by `symmetric_product`, in the iteration that runs (the
+  Gram-space one with `gram_space`)."""
+  return symmetric_product(x, jnp.swapaxes(x, -1, -2), matmul, blocks,
+                           of="gram_space_x_xt" if gram_space else "x_xt", n=x.shape[-1])

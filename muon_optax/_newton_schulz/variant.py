@@ -134,7 +134,7 @@ def gram_flops(m: int, n: int, parts: Sequence[tuple[int, int]],
   m, n = min(m, n), max(m, n)
   steps = max((stop for _, stop in parts), default=0)
   squares = steps if quintic is None else sum(map(bool, quintic[:steps]))
-  return ((product(m, n) + 2 * m * m * n) * len(parts)
+  return ((product(m, n, of="gram_space_x_xt", n=n) + 2 * m * m * n) * len(parts)
           + (squares + sum(3 * (stop - start - 1) for start, stop in parts))
           * product(m, m, of="gram_space"))
 
@@ -211,7 +211,8 @@ def newton_schulz_plan(shape: tuple[int, ...], ns: NS = DEFAULT_NS, *,
     variant, flops = "gram", gram_flops(m, n, parts, quintic, product)
   else:
     variant, parts, flops = "standard", (), standard_flops(m, n, steps, quintic, product)
-  x_flops = (product(m, n) + 2 * m * m * n) * (len(parts) if parts else steps)
+  x_xt = product(m, n, of="gram_space_x_xt" if parts else "x_xt", n=n)
+  x_flops = (x_xt + 2 * m * m * n) * (len(parts) if parts else steps)
   return NSPlan(variant, steps, ns.preconditioner(), dtype.name,
                 ns.matmul_precision(backend).name, flops, parts, x_flops, ns.fp8_steps)
 
