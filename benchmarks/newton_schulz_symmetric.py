@@ -140,9 +140,10 @@ def ns_arms(backend: Optional[str] = None) -> dict[str, tuple]:
   """name -> (fn of x, the context it is traced in), with the settings "auto" picks on
   `backend` (default: here); on a platform with floors (`MIN_CUT_ROWS_ON`,
   `MIN_SQUARE_CUT_WORK_ON`, `MIN_GRAM_SPACE_X_XT_CUT_WORK_ON`), every product cut below
-  them too, and the standard iteration's m×m products whole at any size; on one that forms the Gram-space
-  products of two m×m matrices whole (`WHOLE_GRAM_SPACE_PRODUCTS_ON`), those cut too, in
-  at most `MAX_BLOCKS` and 4 block rows (Gram-space settings only)."""
+  them too, and the standard iteration's m×m products whole at any size; on one that
+  forms the Gram-space products of two m×m matrices whole
+  (`WHOLE_GRAM_SPACE_PRODUCTS_ON`), those cut too, in at most `MAX_BLOCKS` and 4 block
+  rows (Gram-space settings only)."""
   out = {}
   for name, settings in NS_ARMS.items():
     settings = settings if backend is None else settings.on(backend)
