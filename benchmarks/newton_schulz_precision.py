@@ -12,6 +12,9 @@ preset, on four classes of inputs (`--count` matrices each):
 prints the polar error ‖NS(G) − U Vᵀ‖_F / ‖U Vᵀ‖_F against a float64 SVD (mean and
 max over the matrices) and the smallest and largest singular value after the iteration,
 and how many matrices diverged (overflowed), whose figures are left out of the others.
+`--mode exchange`: the same figures for each preset's TPU settings on matrices handed over
+in float32 and in bfloat16, as a mesh's exchange moves them where the operands are 16-bit
+(`MeshLayout.exchange_dtype`), its result rounded to bfloat16 too.
 `--mode flops`: XLA's compiled flops of each setting on one matrix of Llama-3-8B's
 shapes, on this CPU and from the TPU compiler (v5p, offline), the bfloat16 passes
 per flop as the planner prices them, and the v5p program's HBM bytes accessed.
@@ -23,6 +26,8 @@ Rows are appended to `--out` (JSON lines) and skipped when already there (resuma
 the table printed is made from the file.
 
     python -m benchmarks.newton_schulz_precision --mode accuracy --count 1000
+    python -m benchmarks.newton_schulz_precision --mode exchange --presets turbo \
+        --out benchmarks/results/newton_schulz_exchange.jsonl
     python -m benchmarks.newton_schulz_precision --mode flops
     python -m benchmarks.newton_schulz_precision --mode time --count 64
     python -m benchmarks.newton_schulz_precision --mode convergence --seeds 0,1,2 \
@@ -113,8 +118,11 @@ def polar_of(x: np.ndarray) -> np.ndarray:
   return u @ vt
 
 
-def measure(x: np.ndarray, polar: np.ndarray, ns: mo.NewtonSchulz) -> dict[str, float]:
-  out = np.asarray(jax.jit(lambda a: mo.newton_schulz(a, ns))(jnp.asarray(x, jnp.float32)),
+def measure(x: np.ndarray, polar: np.ndarray, ns: mo.NewtonSchulz,
+            wire: Any = jnp.float32) -> dict[str, float]:
+  """The polar error and singular values of `ns` on `x`, handed the matrices in `wire`
+  (bfloat16: as a mesh's exchange hands them over, the result in it too)."""
+  out = np.asarray(jax.jit(lambda a: mo.newton_schulz(a, ns))(jnp.asarray(x, wire)),
                    np.float64)
   # A diverged iteration (fp8 on a steep schedule) overflows: it is counted, and the
   # figures are those of the others.
@@ -161,20 +169,38 @@ def append(path: pathlib.Path, row: dict[str, Any]) -> None:
     f.write(json.dumps(row) + "\n")
 
 
+def inputs_of(args, kind: str) -> dict[tuple[int, int], np.ndarray]:
+  """The class's matrices by shape: the listed shapes (for gpt: those among the model's,
+  or all of them)."""
+  if kind == "gpt":
+    found = gpt_matrices(args.count)
+    return {s: x for s, x in found.items() if s in args.shapes} or found
+  return {s: synthetic(kind, s, args.count, seed=i) for i, s in enumerate(args.shapes)}
+
+
 def run_accuracy(args, out: pathlib.Path, done: set[str]) -> None:
   for kind in args.classes:
-    if kind == "gpt":  # the listed shapes among the model's, or all of them
-      found = gpt_matrices(args.count)
-      inputs = {s: x for s, x in found.items() if s in args.shapes} or found
-    else:
-      inputs = {s: synthetic(kind, s, args.count, seed=i) for i, s in enumerate(args.shapes)}
-    for shape, x in inputs.items():
+    for shape, x in inputs_of(args, kind).items():
       polar = polar_of(x)
       for preset, precision, variant in cells(args):
         key = f"accuracy {kind} {shape[0]}x{shape[1]} {preset} {precision} {variant}"
         if key not in done:
           append(out, {"key": key, "class": kind, "shape": list(shape), "count": len(x),
                        **measure(x, polar, settings(preset, precision, variant))})
+
+
+def run_exchange(args, out: pathlib.Path, done: set[str]) -> None:
+  """Each preset's TPU settings on matrices handed over whole (float32) and in bfloat16, as
+  a mesh's exchange hands them over by default where the operands are 16-bit."""
+  for kind in args.classes:
+    for shape, x in inputs_of(args, kind).items():
+      polar = polar_of(x)
+      for preset in args.presets:
+        for wire in ("float32", "bfloat16"):
+          key = f"exchange {kind} {shape[0]}x{shape[1]} {preset} {wire}"
+          if key not in done:
+            append(out, {"key": key, "class": kind, "shape": list(shape), "count": len(x),
+                         **measure(x, polar, mo.NewtonSchulz(preset).on("tpu"), wire)})
 
 
 def bf16_passes(ns: mo.NewtonSchulz) -> int:
@@ -266,6 +292,16 @@ def run_convergence(args, out: pathlib.Path, done: set[str]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
   lines = []
+  wired = [r for r in rows if r["key"].startswith("exchange")]
+  if wired:
+    lines += ["| class | shape | preset (TPU settings) | handed over in | n | polar err mean | "
+              "max | σ min | σ max |", "|---" * 9 + "|"]
+    for r in wired:
+      _, kind, shape, preset, wire = r["key"].split()
+      lines.append(f"| {kind} | {shape} | {preset} | {wire} | {r['count']} | "
+                   f"{r['err_mean']:.5f} | {r['err_max']:.5f} | {r['sigma_min']:.3f} | "
+                   f"{r['sigma_max']:.3f} |")
+    lines.append("")
   acc = [r for r in rows if r["key"].startswith("accuracy")]
   if acc:
     lines += ["| class | shape | preset | precision | variant | n | polar err mean | max | "
@@ -308,7 +344,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--mode", choices=("accuracy", "flops", "time", "convergence"),
+  ap.add_argument("--mode", choices=("accuracy", "exchange", "flops", "time", "convergence"),
                   default="accuracy")
   ap.add_argument("--seeds", default="0,1,2", help="seeds of the convergence mode")
   names = ", ".join(a.split(" (")[0].replace(" ", "_") for a in CONVERGENCE_ARMS)
@@ -334,7 +370,7 @@ def main(argv=None) -> None:
   args.arms = [a for a in args.arms.split(",") if a]
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  {"accuracy": run_accuracy, "flops": run_flops, "time": run_time,
+  {"accuracy": run_accuracy, "exchange": run_exchange, "flops": run_flops, "time": run_time,
    "convergence": run_convergence}[args.mode](
       args, out, done_keys(out))
   print(header("benchmarks.newton_schulz_precision", argv))

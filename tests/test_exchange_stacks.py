@@ -36,7 +36,8 @@ def test_stacks_that_lie_alike_share_a_kind_and_one_variant_a_round():
   assert stacks.switch(table, [lambda x: x + 1, lambda x: x - 1], jnp.zeros(2)).tolist() == [1, 1]
 
 
-def test_buffers_carry_every_stack_s_dtype_promoted():
+def test_buffers_carry_every_stack_s_dtype_promoted_or_the_wire_s():
   stacks = stacks_of([P(), P()], [(1, 8, 8), (1, 8, 8)])
   assert stacks._replace(dtypes=[jnp.bfloat16, jnp.float32]).dtype == jnp.float32
   assert stacks._replace(dtypes=[jnp.bfloat16, jnp.bfloat16]).dtype == jnp.bfloat16
+  assert stacks._replace(wire=jnp.bfloat16).dtype == jnp.bfloat16

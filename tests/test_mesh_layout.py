@@ -3,6 +3,7 @@
 import math
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import muon_optax as mo
@@ -29,6 +30,11 @@ def test_mesh_layout_is_checked_when_built():
   for bad in (0, True, 2.0):
     with pytest.raises(ValueError, match=r"exchanges=.* must be a positive integer, or None"):
       mo.MeshLayout(mesh, exchanges=bad)
+  assert mo.MeshLayout(mesh).exchange_dtype is None  # bfloat16 where the operands are 16-bit
+  assert mo.MeshLayout(mesh, exchange_dtype="float32").exchange_dtype == jnp.float32
+  for bad in ("int8", "float8_e4m3fn", "fp32", 3):
+    with pytest.raises(ValueError, match=r"exchange_dtype=.* must be a floating dtype of 16 bits"):
+      mo.MeshLayout(mesh, exchange_dtype=bad)
   with pytest.raises(ValueError, match="mesh= takes a jax.sharding.Mesh or a muon_optax.MeshLayout"):
     mo.muon(0.02, mesh="data")
 

@@ -24,12 +24,17 @@ def test_a_kernel_carries_one_newton_schulz_whole():
   bound = 64 * np.finfo(np.float32).eps  # a few products' roundings, float32
   np.testing.assert_allclose(jnp.concatenate([parts[0], parts[1]], axis=-1), want, atol=bound)
   assert kernel.priced is ns
-  # A custom function runs whole matrices only, priced as Jordan's standard quintic; a
-  # selection around a kernel keeps its price and splits nothing.
+  assert Kernel.of(ns.on("tpu")).operands == jnp.bfloat16  # what a mesh's exchange reads
+  assert Kernel.of(ns.on("cpu")).operands == jnp.float32
+  # A custom function runs whole matrices only, priced as Jordan's standard quintic, its
+  # operands unknown; a selection around a kernel keeps its price and operands and
+  # splits nothing.
   custom = Kernel.of(mo.NewtonSchulz(fn=lambda v: v * 2))
   assert custom.column_parts is None and custom.priced == CUSTOM_FN_PRICE
+  assert custom.operands is None
   wrapped = kernel.around(lambda whole: lambda v: whole(v) * 3)
   assert wrapped.column_parts is None and wrapped.priced is ns
+  assert wrapped.operands == kernel.operands
   np.testing.assert_array_equal(wrapped.whole(x), 3 * mo.newton_schulz(x, ns))
 
 

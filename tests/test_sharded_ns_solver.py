@@ -3,6 +3,7 @@ simulated devices: the same results as one device, and the flops, bytes, collect
 and memory its compiled programs hold."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -372,3 +373,58 @@ def test_fewer_collective_bytes_than_optax_contrib_muon():
   total = lambda stats: sum(b for _, b in stats.values())
   assert total(ours) < total(theirs), (ours, theirs)
   assert sum(n for n, _ in ours.values()) < sum(n for n, _ in theirs.values())
+
+
+def _exchanged_types(tx, params, mesh):
+  """The element types of the all-to-alls in the update's lowered program (a CPU compile
+  widens 16-bit collectives; the TPU compiler keeps them: see test_tpu_compile)."""
+  text = compiled_update_lowered(tx, params, mesh).as_text()
+  return set(re.findall(r"stablehlo.all_to_all.*-> tensor<[0-9x]*x(\w+)>", text))
+
+
+def compiled_update_lowered(tx, params, mesh):
+  shard = param_shardings(params, mesh, "fsdp")
+  params = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
+                        params, shard)
+  state = jax.eval_shape(tx.init, params)
+  return jax.jit(tx.update).lower(params, state, params)
+
+
+@pytest.mark.parametrize("operands, wire, moved", [
+    ("float32", None, "f32"), ("bfloat16", None, "bf16"),
+    ("float16", None, "bf16"),  # float16's range would lose small momenta on the way
+    ("bfloat16", "float32", "f32")])
+def test_the_exchange_moves_matrices_in_bfloat16_where_the_operands_are_16_bit(
+    operands, wire, moved):
+  mesh, params = mesh_of(), small_tree()
+  layout = mo.MeshLayout(mesh, params="sharded", exchange_dtype=wire)
+  tx = mo.muon(0.02, ns=mo.NewtonSchulz(compute_dtype=operands), mesh=layout)
+  assert _exchanged_types(tx, params, mesh) == {moved}
+
+
+@pytest.mark.parametrize("wire", [None, "bfloat16"])
+def test_matrices_handed_over_in_bfloat16_arrive_and_return_rounded(wire):
+  # A custom function's operands are unknown, so by default its matrices travel in their
+  # own dtype; a stated bfloat16 exchange hands it each matrix rounded to bfloat16 and
+  # hands back its bfloat16 result as float32. The function is exact in float32 on
+  # bfloat16 values (small integer factors), so the results are exact.
+  def fn(x):
+    rows = jnp.arange(1, x.shape[-2] + 1, dtype=jnp.float32)[:, None]
+    return (x.astype(jnp.float32) * rows * 3).astype(x.dtype)
+  mesh = mesh_of()
+  shapes = {"a": (32, 128), "b": (128, 32), "c": (24, 40), "d": (32, 32), "e": (64, 256)}
+  params = {k: {"kernel": jnp.zeros(s)} for k, s in shapes.items()}
+  grads = {k: {"kernel": jax.random.normal(jax.random.key(i), s)}
+           for i, (k, s) in enumerate(shapes.items())}
+  tx = mo.orthogonalize(mo.NewtonSchulz(fn=fn),
+                        mesh=mo.MeshLayout(mesh, params="sharded", exchange_dtype=wire))
+  shard = param_shardings(params, mesh, "fsdp")
+  got, _ = jax.jit(tx.update)(jax.device_put(grads, shard), tx.init(params),
+                              jax.device_put(params, shard))
+  single = mo.orthogonalize(mo.NewtonSchulz(fn=fn))
+  rounded = grads if wire is None else jax.tree.map(
+      lambda g: g.astype(jnp.bfloat16), grads)
+  want, _ = single.update(rounded, single.init(params))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+      np.asarray(a), np.asarray(b.astype(jnp.float32))), got, want)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(got))

@@ -177,6 +177,21 @@ def test_newton_schulz_takes_the_defaults_of_the_mesh_platform(chips):
   assert products and any("bf16" in line for line in products)
 
 
+def test_a_tpu_mesh_exchanges_its_matrices_in_bfloat16(chips):
+  # The iteration rounds its operands to bfloat16 on a TPU, so the exchange moves the
+  # float32 momenta and their results in it: the same collectives at half the bytes.
+  mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
+  moved = {}
+  for wire in (None, "float32"):
+    layout = mo.MeshLayout(mesh, params="sharded", exchanges=1, exchange_dtype=wire)
+    text = compile_update(mo.muon(0.02, mesh=layout), gpt_tree(), mesh, "fsdp").as_text()
+    moved[wire] = collective_stats(text)
+  count, received = moved["float32"]["all-to-all"]
+  assert count == 2 and received > 0, moved  # one in, one out
+  assert moved[None] == {**moved["float32"], "all-to-all": (count, received / 2)}, moved
+  assert sum(n for n, _ in moved[None].values()) == count, moved
+
+
 def _relaid_collective_outputs(text: str) -> list[str]:
   """The fusions that read one collective's output whole into as many elements: a
   relayout of the whole buffer."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from muon_optax._newton_schulz.iteration import (
   newton_schulz,
@@ -33,11 +34,14 @@ class Kernel:
       split by columns over several devices, `(x, parts, reduce, rows=)`; None where
       matrices must be orthogonalized whole (a custom `fn`, a selection around it).
     priced: the settings whose flops and traffic the mesh's cost model weighs.
+    operands: the dtype the iteration rounds its matmul operands to; None where that is
+      unknown (a custom `fn`).
   """
 
   whole: Callable[[jax.Array], jax.Array]
   column_parts: Optional[Callable[..., jax.Array]]
   priced: NewtonSchulz
+  operands: Optional[jnp.dtype] = None
 
   @classmethod
   def of(cls, ns: NewtonSchulz, whole_products: bool = False) -> Kernel:
@@ -48,9 +52,9 @@ class Kernel:
       return cls(ns.fn, None, CUSTOM_FN_PRICE)
     whole = newton_schulz_whole_products if whole_products else newton_schulz
     return cls(functools.partial(whole, ns=ns),
-               functools.partial(newton_schulz_column_parts, ns=ns), ns)
+               functools.partial(newton_schulz_column_parts, ns=ns), ns, jnp.dtype(ns.dtype()))
 
   def around(self, wrap: Callable[[Callable], Callable]) -> Kernel:
     """Whole stacks go through `wrap(whole)` instead (a selection around Newton–Schulz);
     such stacks are never split."""
-    return Kernel(wrap(self.whole), None, self.priced)
+    return Kernel(wrap(self.whole), None, self.priced, self.operands)

@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 from typing import Any, Optional, Union
 
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -92,6 +93,12 @@ class MeshLayout:
       fits half the cap, else a few blocks at a time, a collective each. Default
       (None): 2, and never below 32 MB, so that a small model's matrices stay whole;
       `math.inf`: no cap.
+    exchange_dtype: the dtype the exchange moves matrices and their results in (they
+      are handed back in their own). Default (None): bfloat16 where Newton–Schulz
+      rounds its operands to 16 bits (GPU and TPU) and the matrices are wider, which
+      halves the bytes the exchange moves and buffers, at one more rounding of each
+      matrix and of its result; else their own dtype. "float32" keeps float32 momenta
+      whole on the wire.
 
   Examples:
     >>> import jax, muon_optax as mo
@@ -114,6 +121,7 @@ class MeshLayout:
   exchanges: Optional[int] = None
   flops_per_byte: float = FLOPS_PER_BYTE
   memory: Optional[float] = None
+  exchange_dtype: Any = None
   # What concrete params showed at init, for params="auto" on an Auto mesh: a cache, not
   # a setting (not compared, not copied by dataclasses.replace).
   _seen: _Seen = dataclasses.field(default_factory=lambda: _Seen(), init=False,
@@ -137,6 +145,16 @@ class MeshLayout:
     if self.memory is not None and not (number and self.memory > 0):
       raise ValueError(f"MeshLayout(memory={self.memory!r}) must be a positive multiple of the "
                        "Muon state shard, math.inf (no cap), or None (the default cap).")
+    if self.exchange_dtype is not None:
+      try:
+        wire = jnp.dtype(self.exchange_dtype)
+      except TypeError:
+        wire = None
+      if wire is None or not jnp.issubdtype(wire, jnp.floating) or wire.itemsize < 2:
+        raise ValueError(f"MeshLayout(exchange_dtype={self.exchange_dtype!r}) must be a floating "
+                         "dtype of 16 bits or more (e.g. \"bfloat16\", \"float32\"), or None for "
+                         "the default.")
+      object.__setattr__(self, "exchange_dtype", wire)
     axis = self.data_axis
     if axis == "data" and "data" not in self.mesh.axis_names:
       axis = tuple(self.mesh.axis_names)

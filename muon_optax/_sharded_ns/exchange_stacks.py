@@ -19,7 +19,8 @@ class ExchangeStacks(NamedTuple):
   """The stacks (count, rows, cols) an exchange moves over `fmesh`: stack i lies as
   `ins[i]` says, and its results are wanted as `outs[i]` says, or on every device
   (`gather`: then `outs` are replicated layouts). Stacks that lie alike, in and out,
-  share a `kind` (its number, by stack)."""
+  share a `kind` (its number, by stack). The buffers carry `wire` where it is given
+  (see `dtype`); each result is handed back in its stack's own dtype."""
 
   fmesh: FactorMesh
   shapes: list[tuple[int, int, int]]
@@ -28,13 +29,14 @@ class ExchangeStacks(NamedTuple):
   outs: list[StackShards]
   gather: bool
   kind: list[int]
+  wire: Any = None
 
   @classmethod
   def of(cls, fmesh: FactorMesh, shapes, dtypes, ins: list[StackShards], outs: list[StackShards],
-         gather: bool) -> ExchangeStacks:
+         gather: bool, wire: Any = None) -> ExchangeStacks:
     kinds = {}
     kind = [kinds.setdefault(pair, len(kinds)) for pair in zip(ins, outs)]
-    return cls(fmesh, shapes, dtypes, ins, outs, gather, kind)
+    return cls(fmesh, shapes, dtypes, ins, outs, gather, kind, wire)
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -50,8 +52,9 @@ class ExchangeStacks(NamedTuple):
 
   @property
   def dtype(self):
-    """The dtype the buffers carry: every stack's, promoted."""
-    return jnp.result_type(*self.dtypes)
+    """The dtype the buffers carry, and the matrices Newton–Schulz is handed: `wire`, else
+    every stack's, promoted."""
+    return jnp.dtype(self.wire) if self.wire is not None else jnp.result_type(*self.dtypes)
 
   def device_index(self) -> jax.Array:
     """This device's position, row-major over the mesh axes."""

@@ -126,6 +126,19 @@ def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout,
   return lower
 
 
+def wire_dtype(kernel: Kernel, layout: MeshLayout, dtypes) -> Optional[jnp.dtype]:
+  """The dtype an exchange moves matrices in, if not their own: the layout's
+  `exchange_dtype`; by default bfloat16 where Newton–Schulz rounds its operands to 16
+  bits and the matrices are wider (bfloat16, not float16: it keeps float32's range for
+  small momenta), which halves what the exchange moves at one more rounding of each
+  matrix and its result."""
+  if layout.exchange_dtype is not None:
+    return jnp.dtype(layout.exchange_dtype)
+  widest = jnp.result_type(*dtypes)
+  sixteen = kernel.operands is not None and kernel.operands.itemsize == 2
+  return jnp.dtype(jnp.bfloat16) if sixteen and widest.itemsize > 2 else None
+
+
 def _exchanged(kernel: Kernel, layout: MeshLayout, arrays, specs, out_specs,
                beside: OwnedWork = NO_OWNED_WORK):
   """The exchange of `arrays` (lying in `specs`, over the layout's mesh) as a shard_map
@@ -154,7 +167,9 @@ def _exchanged(kernel: Kernel, layout: MeshLayout, arrays, specs, out_specs,
           if gather else
           [shards_of(NamedSharding(fmesh.mesh, fmesh.spec(spec)), shape, fmesh.mesh)
            for spec, shape in zip(out_specs, shapes)])
-  stacks = ExchangeStacks.of(fmesh, shapes, [s.dtype for s in arrays], ins, outs, gather)
+  dtypes = [s.dtype for s in arrays]
+  stacks = ExchangeStacks.of(fmesh, shapes, dtypes, ins, outs, gather,
+                             wire_dtype(kernel, layout, dtypes))
   lower = _lowered(stacks, MeshKernel(kernel, fmesh), layout, beside)
   body = shard_mapped(lambda *xs: tuple(lower(list(xs))), fmesh.mesh,
                       tuple(shards.spec for shards in ins), tuple(shards.spec for shards in outs))
