@@ -12,16 +12,18 @@ preset, on four classes of inputs (`--count` matrices each):
 prints the polar error ‖NS(G) − U Vᵀ‖_F / ‖U Vᵀ‖_F against a float64 SVD (mean and
 max over the matrices) and the smallest and largest singular value after the iteration,
 and how many matrices diverged (overflowed), whose figures are left out of the others.
-`--mode exchange`: the same figures for each preset's TPU settings on matrices handed over
-in float32 and in bfloat16, as a mesh's exchange moves them where the operands are 16-bit
-(`MeshLayout.exchange_dtype`), its result rounded to bfloat16 too.
+`--mode exchange`: the same figures for each preset's TPU settings on the matrices moved
+as a mesh's exchange may move them (`EXCHANGES`, `MeshLayout.exchange_dtype`): whole
+both ways; the results back in bfloat16 (the default where the operands are 16-bit);
+both ways in bfloat16.
 `--mode flops`: XLA's compiled flops of each setting on one matrix of Llama-3-8B's
 shapes, on this CPU and from the TPU compiler (v5p, offline), the bfloat16 passes
 per flop as the planner prices them, and the v5p program's HBM bytes accessed.
 `--mode time`: min and median seconds of N interleaved calls on a stack of `--count`
 matrices, on jax's default backend (a GPU where there is one).
 `--mode convergence`: the workload GPT's final validation loss (2×64, its defaults) with
-mo.muon and each arm's Newton–Schulz settings (`CONVERGENCE_ARMS`), per seed.
+mo.muon and each arm's Newton–Schulz settings (`CONVERGENCE_ARMS`), per seed; the
+"mesh8" arms train on 8 simulated devices, the matrices exchanged as each says.
 Rows are appended to `--out` (JSON lines) and skipped when already there (resumable);
 the table printed is made from the file.
 
@@ -32,6 +34,9 @@ the table printed is made from the file.
     python -m benchmarks.newton_schulz_precision --mode time --count 64
     python -m benchmarks.newton_schulz_precision --mode convergence --seeds 0,1,2 \
         [--arms bfloat16_standard,bfloat16_Gram]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m \
+        benchmarks.newton_schulz_precision --mode convergence \
+        --arms mesh8_default,mesh8_float32,mesh8_bfloat16
     python -m benchmarks.newton_schulz_precision --count 3 --shapes 16x48 \
         --presets turbo,cubic5 --classes gaussian,heavy --llama 16x48 --reps 2 \
         --out DIR/p.jsonl                                     # smallest (any --mode)
@@ -40,6 +45,7 @@ the table printed is made from the file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -119,11 +125,12 @@ def polar_of(x: np.ndarray) -> np.ndarray:
 
 
 def measure(x: np.ndarray, polar: np.ndarray, ns: mo.NewtonSchulz,
-            wire: Any = jnp.float32) -> dict[str, float]:
+            wire: Any = jnp.float32, back: Any = None) -> dict[str, float]:
   """The polar error and singular values of `ns` on `x`, handed the matrices in `wire`
-  (bfloat16: as a mesh's exchange hands them over, the result in it too)."""
-  out = np.asarray(jax.jit(lambda a: mo.newton_schulz(a, ns))(jnp.asarray(x, wire)),
-                   np.float64)
+  and its results rounded to `back` (as a mesh's exchange moves them: bfloat16 hands
+  over the result in it too)."""
+  out = jax.jit(lambda a: mo.newton_schulz(a, ns))(jnp.asarray(x, wire))
+  out = np.asarray(out if back is None else out.astype(back), np.float64)
   # A diverged iteration (fp8 on a steep schedule) overflows: it is counted, and the
   # figures are those of the others.
   finite = np.all(np.isfinite(out), axis=(-2, -1))
@@ -189,18 +196,24 @@ def run_accuracy(args, out: pathlib.Path, done: set[str]) -> None:
                        **measure(x, polar, settings(preset, precision, variant))})
 
 
+# How a mesh's exchange may move the matrices and their results (`MeshLayout.exchange_dtype`):
+# (the matrices' dtype, the results' rounding, None: none).
+EXCHANGES = {"float32": (jnp.float32, None),  # exchange_dtype="float32"
+             "back-bfloat16": (jnp.float32, jnp.bfloat16),  # the default, 16-bit operands
+             "bfloat16": (jnp.bfloat16, None)}  # exchange_dtype="bfloat16": both ways
+
+
 def run_exchange(args, out: pathlib.Path, done: set[str]) -> None:
-  """Each preset's TPU settings on matrices handed over whole (float32) and in bfloat16, as
-  a mesh's exchange hands them over by default where the operands are 16-bit."""
+  """Each preset's TPU settings on the matrices moved as each of `EXCHANGES` moves them."""
   for kind in args.classes:
     for shape, x in inputs_of(args, kind).items():
       polar = polar_of(x)
       for preset in args.presets:
-        for wire in ("float32", "bfloat16"):
+        for wire, (there, back) in EXCHANGES.items():
           key = f"exchange {kind} {shape[0]}x{shape[1]} {preset} {wire}"
           if key not in done:
             append(out, {"key": key, "class": kind, "shape": list(shape), "count": len(x),
-                         **measure(x, polar, mo.NewtonSchulz(preset).on("tpu"), wire)})
+                         **measure(x, polar, mo.NewtonSchulz(preset).on("tpu"), there, back)})
 
 
 def bf16_passes(ns: mo.NewtonSchulz) -> int:
@@ -262,6 +275,14 @@ CONVERGENCE_ARMS = {
     "float16 Gram (the GPU candidate)": dict(compute_dtype="float16"),
     "bfloat16 Gram (the GPU and TPU default: Gram space on wide matrices)":
         dict(compute_dtype="bfloat16"),
+    # On 8 simulated devices (ZeRO-1), bfloat16 operands, the results exchanged in
+    # bfloat16 (the default) or float32, or both ways in bfloat16: needs
+    # XLA_FLAGS=--xla_force_host_platform_device_count=8.
+    "mesh8 default (results back in bfloat16)": dict(compute_dtype="bfloat16", devices=8),
+    "mesh8 float32 (exchange_dtype='float32')":
+        dict(compute_dtype="bfloat16", devices=8, exchange_dtype="float32"),
+    "mesh8 bfloat16 (exchange_dtype='bfloat16': both ways)":
+        dict(compute_dtype="bfloat16", devices=8, exchange_dtype="bfloat16"),
 }
 
 
@@ -280,10 +301,20 @@ def run_convergence(args, out: pathlib.Path, done: set[str]) -> None:
         key = f"convergence {name} seed {seed}"
         if key in done or (args.arms and name not in args.arms):
           continue
+        options = dict(options)
+        devices, wire = options.pop("devices", 1), options.pop("exchange_dtype", None)
+        if jax.device_count() < devices:
+          raise SystemExit(f"arm {arm!r} needs {devices} devices: set XLA_FLAGS="
+                           f"--xla_force_host_platform_device_count={devices}.")
         ns = mo.NewtonSchulz(**options)
-        train.FAMILY["muon"] = (lambda *a, ns_=ns, **k: mo.muon(*a, **{**k, "ns": ns_}), {})
-        record = train.train(TrainConfig(seed=seed), train_split.data, val_split.data,
-                             progress=False, log=lambda _: None)
+
+        def muon_with(*a, ns_=ns, wire_=wire, mesh=None, **k):
+          if mesh is not None and wire_ is not None:
+            mesh = dataclasses.replace(mesh, exchange_dtype=wire_)
+          return mo.muon(*a, **{**k, "ns": ns_, "mesh": mesh})
+        train.FAMILY["muon"] = (muon_with, {})
+        record = train.train(TrainConfig(seed=seed, devices=devices), train_split.data,
+                             val_split.data, progress=False, log=lambda _: None)
         append(out, {"key": key, "arm": arm, "seed": seed,
                      "val_loss": record["final_val_loss"], "seconds": record["time_s"]})
   finally:
@@ -294,8 +325,8 @@ def table(rows: list[dict[str, Any]]) -> str:
   lines = []
   wired = [r for r in rows if r["key"].startswith("exchange")]
   if wired:
-    lines += ["| class | shape | preset (TPU settings) | handed over in | n | polar err mean | "
-              "max | σ min | σ max |", "|---" * 9 + "|"]
+    lines += ["| class | shape | preset (TPU settings) | exchanged (`EXCHANGES`) | n | "
+              "polar err mean | max | σ min | σ max |", "|---" * 9 + "|"]
     for r in wired:
       _, kind, shape, preset, wire = r["key"].split()
       lines.append(f"| {kind} | {shape} | {preset} | {wire} | {r['count']} | "

@@ -9,7 +9,10 @@ offline: needs libtpu, the `tpu` extra), one process per device count, and reads
 - collectives by kind, from the compiled HLO (`benchmarks.hlo.collective_stats`);
 - exchange bytes (all-to-alls and whole-mesh all-gathers, received per device) over the
   minimal (n−1)/n · (Muon bytes / n) in and the same out (ZeRO-1: out is every update,
-  AdamW's too, to every device, (n−1)/n · all param bytes); the split matrices' own
+  AdamW's too, to every device, (n−1)/n · all param bytes), the Muon results counted in
+  bfloat16 on a TPU, where they go back so (`MeshLayout.exchange_dtype`; rows measured
+  before moved them in float32, and their minimal counts them so); the split
+  matrices' own
   traffic (the collectives traced in `SHARED_MATRIX_SCOPE`: Gram sums reduce-scattered,
   whole m×m matrices gathered from row blocks) is its own column;
 - flops per device (`cost_analysis`) over the ideal: the Newton–Schulz flops of every
@@ -194,10 +197,14 @@ def measure(model: str, layout: str, arm: str, devices, platform: str,
   stats = collective_stats(compiled.as_text())
   memory = compiled.memory_analysis()
   matrices = muon_matrices(params)
-  muon_bytes = 4 * sum(c * r * k for c, r, k in matrices)
+  elements = sum(c * r * k for c, r, k in matrices)
+  muon_bytes = 4 * elements
+  # The Muon results go back in bfloat16 where the platform's operands are 16-bit
+  # (`MeshLayout.exchange_dtype`); the momenta and ZeRO-1's AdamW updates in float32.
+  wire = 2 if mo.NewtonSchulz().on(platform).dtype().itemsize == 2 else 4
   # ZeRO-1: every device receives every update it did not compute, AdamW's included.
-  back = (4 * sum(math.prod(p.shape) for p in jax.tree.leaves(params)) if layout == "zero1"
-          else muon_bytes / n)
+  back = (4 * sum(math.prod(p.shape) for p in jax.tree.leaves(params)) - (4 - wire) * elements
+          if layout == "zero1" else wire * elements / n)
   minimal = (n - 1) / n * (muon_bytes / n + back)
   # The split matrices' own work: the collectives traced in their named scope (Gram
   # sums, whole m×m matrices gathered from row blocks). The exchange: every other

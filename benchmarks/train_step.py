@@ -31,8 +31,10 @@ Models: `8b` (Llama-3-8B), `moe` (Mixtral-8x7B: 8 experts, top 2, its 32000-toke
 vocabulary), `tiny` and `tiny-moe` (2 layers, width 64: the executed check). Layouts
 (`LAYOUTS`): fsdp, zero1, tp (data × tensor, params replicated over data), fsdp_tp,
 3d (data × fsdp × tensor), ep (fsdp × expert). Arms (`ARMS`): "muon float32 exchange"
-is `mo.muon` with `MeshLayout(exchange_dtype="float32")`, its matrices moved whole
-rather than in bfloat16; "muon no memory cap" is `mo.muon` with
+and "muon bfloat16 exchange" are `mo.muon` with `MeshLayout(exchange_dtype=...)`, the
+matrices and their results moved in that dtype both ways (the default moves float32
+momenta whole and their results back in bfloat16 where the operands are 16-bit);
+"muon no memory cap" is `mo.muon` with
 `MeshLayout(memory=math.inf)`, its Newton–Schulz work not capped at twice the state
 shard. Rows go to --out as JSON lines as they are measured, one per case
 (model, layout, chips, tokens a step) and arm; a row already there is not measured
@@ -74,8 +76,9 @@ HBM_BYTES = 95e9  # one v5p chip
 ROOFLINE = {"flops": 459e12, "hbm": 2.765e12, "ici": 600e9}
 TPU_TOPOLOGIES = {8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
                   256: "4x8x8", 512: "8x8x8"}
-ARMS = ("optax.adamw", "muon", "muon float32 exchange", "muon no memory cap", "nordion2",
-        "muonbp block step", "muonbp full step", "optax.contrib.muon")
+ARMS = ("optax.adamw", "muon", "muon float32 exchange", "muon bfloat16 exchange",
+        "muon no memory cap", "nordion2", "muonbp block step", "muonbp full step",
+        "optax.contrib.muon")
 COLLECTIVE_RE = re.compile(r"(all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)"
                            r"-start\(|async-start\(")
 
@@ -143,9 +146,10 @@ def optimizer(arm: str, routing: Any, mesh_layout: Any, ns: Any = "turbo") -> An
     tx = optax.adamw(3e-4)
   elif arm == "muon":
     tx = mo.muon(0.02, ns=ns, routing=routing, mesh=mesh_layout, adam=adam)
-  elif arm == "muon float32 exchange":  # the momenta sent whole, not in bfloat16
-    wide = mesh_layout and dataclasses.replace(mesh_layout, exchange_dtype="float32")
-    tx = mo.muon(0.02, ns=ns, routing=routing, mesh=wide, adam=adam)
+  elif arm in ("muon float32 exchange", "muon bfloat16 exchange"):  # both ways in it
+    wire = arm.split()[1]
+    moved = mesh_layout and dataclasses.replace(mesh_layout, exchange_dtype=wire)
+    tx = mo.muon(0.02, ns=ns, routing=routing, mesh=moved, adam=adam)
   elif arm == "muon no memory cap":  # Newton–Schulz work not capped at twice the state shard
     uncapped = mesh_layout and dataclasses.replace(mesh_layout, memory=math.inf)
     tx = mo.muon(0.02, ns=ns, routing=routing, mesh=uncapped, adam=adam)

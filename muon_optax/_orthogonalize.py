@@ -175,8 +175,8 @@ def orthogonalize(ns: NS = DEFAULT_NS, *, routing: Any = None,
       packed exchange there and one back; each is orthogonalized whole on one device,
       or (built-in iteration only) split by columns over idle devices when there are
       fewer matrices than devices (see `muon_optax._sharded_ns.solver`); results equal the
-      single-device ones, but where the iteration's operands are 16-bit: the exchange
-      then moves each matrix and its result in bfloat16 (`MeshLayout.exchange_dtype`).
+      single-device ones, rounded to bfloat16 where the iteration's operands are 16-bit
+      (the results travel back in it: `MeshLayout.exchange_dtype`).
 
   Returns:
     A stateless `optax.GradientTransformation`.

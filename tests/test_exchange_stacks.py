@@ -36,8 +36,12 @@ def test_stacks_that_lie_alike_share_a_kind_and_one_variant_a_round():
   assert stacks.switch(table, [lambda x: x + 1, lambda x: x - 1], jnp.zeros(2)).tolist() == [1, 1]
 
 
-def test_buffers_carry_every_stack_s_dtype_promoted_or_the_wire_s():
+def test_buffers_carry_every_stack_s_dtype_promoted_or_the_wire_s_each_way():
   stacks = stacks_of([P(), P()], [(1, 8, 8), (1, 8, 8)])
   assert stacks._replace(dtypes=[jnp.bfloat16, jnp.float32]).dtype == jnp.float32
   assert stacks._replace(dtypes=[jnp.bfloat16, jnp.bfloat16]).dtype == jnp.bfloat16
-  assert stacks._replace(wire=jnp.bfloat16).dtype == jnp.bfloat16
+  assert stacks.result_dtype == jnp.float32  # the matrices' own, both ways
+  wired = stacks._replace(wire_back=jnp.bfloat16)
+  assert (wired.dtype, wired.result_dtype) == (jnp.float32, jnp.bfloat16)
+  wired = stacks._replace(wire=jnp.bfloat16)
+  assert (wired.dtype, wired.result_dtype) == (jnp.bfloat16, jnp.bfloat16)

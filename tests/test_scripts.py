@@ -204,7 +204,7 @@ def test_newton_schulz_gram_forces_restarts_and_times_the_crossover(tmp_path, ca
 def test_newton_schulz_precision_fills_every_cell_and_resumes(tmp_path, capsys):
   argv = smallest("benchmarks.newton_schulz_precision", tmp_path)
   from benchmarks import newton_schulz_precision as bench
-  for mode in ("accuracy", "flops", "time"):
+  for mode in ("accuracy", "exchange", "flops", "time"):
     bench.main([*argv, "--mode", mode])
   out = capsys.readouterr().out
   check_report(out, "benchmarks.newton_schulz_precision", [*argv, "--mode", "accuracy"])
@@ -214,6 +214,12 @@ def test_newton_schulz_precision_fills_every_cell_and_resumes(tmp_path, capsys):
   # per mode.
   kinds = [r["key"].split()[0] for r in rows]
   assert kinds.count("accuracy") == 2 * 14 and kinds.count("flops") == kinds.count("time") == 14
+  # The exchange mode: 2 classes × 2 presets × 3 ways to move the matrices; rounding
+  # them or their results changes the figures.
+  wired = {r["key"]: r["err_mean"] for r in rows if r["key"].startswith("exchange")}
+  assert len(wired) == 12
+  assert all(wired[k] != wired[k.replace("float32", other)] for k in wired
+             if k.endswith(" float32") for other in ("back-bfloat16", "bfloat16"))
   assert all(r["err_max"] >= r["err_mean"] > 0 for r in rows if "err_mean" in r)
   # Resumable: a second run adds nothing.
   bench.main([*argv, "--mode", "accuracy"])

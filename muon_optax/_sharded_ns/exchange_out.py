@@ -93,7 +93,7 @@ def scattered(stacks: ExchangeStacks, sent, plan: ExchangePlan) -> tuple[dict, l
            for k, members in enumerate(plan.slots) if members[0] not in plan.whole_shards]
   back = to_peers([jnp.concatenate(parts, axis=1)], stacks.axes) if parts else None
   by_shards, received = whole_shards_out({t: plan.rounds[t] for t in plan.whole_shards}, sent,
-                                  stacks.fmesh, stacks.dtype)
+                                  stacks.fmesh, stacks.result_dtype)
 
   def result(i, j):
     (t, first_device), r = plan.where[(i, j)], plan.rounds[plan.where[(i, j)][0]]

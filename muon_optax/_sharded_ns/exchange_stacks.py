@@ -19,8 +19,9 @@ class ExchangeStacks(NamedTuple):
   """The stacks (count, rows, cols) an exchange moves over `fmesh`: stack i lies as
   `ins[i]` says, and its results are wanted as `outs[i]` says, or on every device
   (`gather`: then `outs` are replicated layouts). Stacks that lie alike, in and out,
-  share a `kind` (its number, by stack). The buffers carry `wire` where it is given
-  (see `dtype`); each result is handed back in its stack's own dtype."""
+  share a `kind` (its number, by stack). The matrices travel in `wire` and their
+  results back in `wire_back` where given (`dtype`, `result_dtype`); each result is
+  handed over in its stack's own dtype at the end."""
 
   fmesh: FactorMesh
   shapes: list[tuple[int, int, int]]
@@ -30,13 +31,14 @@ class ExchangeStacks(NamedTuple):
   gather: bool
   kind: list[int]
   wire: Any = None
+  wire_back: Any = None
 
   @classmethod
   def of(cls, fmesh: FactorMesh, shapes, dtypes, ins: list[StackShards], outs: list[StackShards],
-         gather: bool, wire: Any = None) -> ExchangeStacks:
+         gather: bool, wire: Any = None, wire_back: Any = None) -> ExchangeStacks:
     kinds = {}
     kind = [kinds.setdefault(pair, len(kinds)) for pair in zip(ins, outs)]
-    return cls(fmesh, shapes, dtypes, ins, outs, gather, kind, wire)
+    return cls(fmesh, shapes, dtypes, ins, outs, gather, kind, wire, wire_back)
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -52,9 +54,14 @@ class ExchangeStacks(NamedTuple):
 
   @property
   def dtype(self):
-    """The dtype the buffers carry, and the matrices Newton–Schulz is handed: `wire`, else
-    every stack's, promoted."""
+    """The dtype the matrices travel in, and Newton–Schulz is handed them in: `wire`,
+    else every stack's, promoted."""
     return jnp.dtype(self.wire) if self.wire is not None else jnp.result_type(*self.dtypes)
+
+  @property
+  def result_dtype(self):
+    """The dtype the results travel back in: `wire_back`, else the matrices'."""
+    return jnp.dtype(self.wire_back) if self.wire_back is not None else self.dtype
 
   def device_index(self) -> jax.Array:
     """This device's position, row-major over the mesh axes."""

@@ -32,7 +32,7 @@ Its layouts are given, not discovered: the stacks lie as the state does
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +77,7 @@ class _Exchange(NamedTuple):
     received = send(stacks, after(arrays, wait), plan)
     sent = solve(stacks, self.kernel, received, plan,
                  lambda rounds: units(rounds, self.budget, self.kernel.priced),
-                 lambda t, x: to_send(stacks, t, x, plan))
+                 lambda t, x: to_send(stacks, t, x.astype(stacks.result_dtype), plan))
     return gathered(stacks, sent, plan) if stacks.gather else scattered(stacks, sent, plan)
 
 
@@ -126,17 +126,18 @@ def _lowered(stacks: ExchangeStacks, kernel: MeshKernel, layout: MeshLayout,
   return lower
 
 
-def wire_dtype(kernel: Kernel, layout: MeshLayout, dtypes) -> Optional[jnp.dtype]:
-  """The dtype an exchange moves matrices in, if not their own: the layout's
-  `exchange_dtype`; by default bfloat16 where Newton–Schulz rounds its operands to 16
-  bits and the matrices are wider (bfloat16, not float16: it keeps float32's range for
-  small momenta), which halves what the exchange moves at one more rounding of each
-  matrix and its result."""
+def wire_dtypes(kernel: Kernel, layout: MeshLayout, dtypes) -> tuple[Any, Any]:
+  """The dtypes an exchange moves the matrices in and their results back in, each None
+  for the matrices' own: both the layout's `exchange_dtype` where it is given. By
+  default the matrices travel whole, since rounding them costs accuracy where the
+  iteration carries X in float32 between its 16-bit products; their results go back in
+  bfloat16 where Newton–Schulz rounds its operands to 16 bits and the matrices are
+  wider, at no cost in accuracy (benchmarks/results/newton_schulz_exchange.txt)."""
   if layout.exchange_dtype is not None:
-    return jnp.dtype(layout.exchange_dtype)
+    return layout.exchange_dtype, layout.exchange_dtype
   widest = jnp.result_type(*dtypes)
   sixteen = kernel.operands is not None and kernel.operands.itemsize == 2
-  return jnp.dtype(jnp.bfloat16) if sixteen and widest.itemsize > 2 else None
+  return None, (jnp.dtype(jnp.bfloat16) if sixteen and widest.itemsize > 2 else None)
 
 
 def _exchanged(kernel: Kernel, layout: MeshLayout, arrays, specs, out_specs,
@@ -169,7 +170,7 @@ def _exchanged(kernel: Kernel, layout: MeshLayout, arrays, specs, out_specs,
            for spec, shape in zip(out_specs, shapes)])
   dtypes = [s.dtype for s in arrays]
   stacks = ExchangeStacks.of(fmesh, shapes, dtypes, ins, outs, gather,
-                             wire_dtype(kernel, layout, dtypes))
+                             *wire_dtypes(kernel, layout, dtypes))
   lower = _lowered(stacks, MeshKernel(kernel, fmesh), layout, beside)
   body = shard_mapped(lambda *xs: tuple(lower(list(xs))), fmesh.mesh,
                       tuple(shards.spec for shards in ins), tuple(shards.spec for shards in outs))
