@@ -327,7 +327,8 @@ def table(rows: list[dict[str, Any]]) -> str:
   if wired:
     lines += ["| class | shape | preset (TPU settings) | exchanged (`EXCHANGES`) | n | "
               "polar err mean | max | σ min | σ max |", "|---" * 9 + "|"]
-    for r in wired:
+    order = lambda r: (*r["key"].split()[1:4], list(EXCHANGES).index(r["key"].split()[4]))
+    for r in sorted(wired, key=order):
       _, kind, shape, preset, wire = r["key"].split()
       lines.append(f"| {kind} | {shape} | {preset} | {wire} | {r['count']} | "
                    f"{r['err_mean']:.5f} | {r['err_max']:.5f} | {r['sigma_min']:.3f} | "

@@ -97,8 +97,9 @@ class MeshLayout:
       both ways (the updates come back in the momenta's dtype). Default (None): the
       matrices travel in their own dtype, and their results back in bfloat16 where
       Newton–Schulz rounds its operands to 16 bits (GPU and TPU) and the matrices are
-      wider: a quarter fewer bytes, at no cost in accuracy. "bfloat16" halves the bytes
-      both ways, at some accuracy: Newton–Schulz then starts from rounded momenta.
+      wider: a quarter fewer bytes under FSDP, more under ZeRO-1, whose way back is the
+      larger, at no measurable cost in accuracy. "bfloat16" halves the bytes both ways,
+      at some accuracy: Newton–Schulz then starts from rounded momenta.
       "float32" keeps float32 results whole too.
 
   Examples:

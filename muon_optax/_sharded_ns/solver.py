@@ -132,7 +132,8 @@ def wire_dtypes(kernel: Kernel, layout: MeshLayout, dtypes) -> tuple[Any, Any]:
   default the matrices travel whole, since rounding them costs accuracy where the
   iteration carries X in float32 between its 16-bit products; their results go back in
   bfloat16 where Newton–Schulz rounds its operands to 16 bits and the matrices are
-  wider, at no cost in accuracy (benchmarks/results/newton_schulz_exchange.txt)."""
+  wider: its rounding, 2⁻⁹ of each entry, is far below the iteration's own error
+  (benchmarks/results/newton_schulz_exchange.txt)."""
   if layout.exchange_dtype is not None:
     return layout.exchange_dtype, layout.exchange_dtype
   widest = jnp.result_type(*dtypes)
