@@ -5,6 +5,7 @@ step has at most AdamW's collectives plus its exchange's, nothing added to forwa
 backward."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -69,6 +70,16 @@ def test_muon_step_adds_only_its_exchange(tiny):
   total = lambda c: sum(n for n, _ in c["step"].values())
   assert count(step["muon"]["optimizer"], "all-to-all") > 0
   assert total(step["muon"]) <= total(step["optax.adamw"]) + exchange
+
+
+@pytest.mark.parametrize("arm, moved", [
+    ("muon", {"f32"}),  # a CPU mesh's float32 operands: the results come back whole
+    ("muon float32 exchange", {"f32"}), ("muon bfloat16 exchange", {"bf16"})])
+def test_the_exchange_arms_move_the_dtype_they_name(tiny, arm, moved):
+  s = train_step.setup(tiny, "fsdp", make_mesh(jax.devices(), "fsdp", tiny), arm, BATCH, SEQ)
+  with jax.set_mesh(s.mesh):
+    text = jax.jit(s.tx.update).lower(s.params, s.state, s.params).as_text()
+  assert set(re.findall(r"stablehlo.all_to_all.*-> tensor<[0-9x]*x(\w+)>", text)) == moved
 
 
 def test_the_contrib_arm_orthogonalizes_each_layer_of_a_scanned_kernel(tiny):
