@@ -11,10 +11,9 @@ offline: needs libtpu, the `tpu` extra), one process per device count, and reads
   minimal (n−1)/n · (Muon bytes / n) in and the same out (ZeRO-1: out is every update,
   AdamW's too, to every device, (n−1)/n · all param bytes), the Muon results counted in
   bfloat16 on a TPU, where they go back so (`MeshLayout.exchange_dtype`; rows measured
-  before moved them in float32, and their minimal counts them so); the split
-  matrices' own
-  traffic (the collectives traced in `SHARED_MATRIX_SCOPE`: Gram sums reduce-scattered,
-  whole m×m matrices gathered from row blocks) is its own column;
+  before moved them in float32, and their minimal counts them so); the split matrices'
+  own traffic (the collectives traced in `SHARED_MATRIX_SCOPE`: Gram sums
+  reduce-scattered, whole m×m matrices gathered from row blocks) is its own column;
 - flops per device (`cost_analysis`) over the ideal: the Newton–Schulz flops of every
   Muon matrix (`newton_schulz_plan`, products whole as a mesh forms them) divided by n;
 - temp memory (`memory_analysis().temp_size_in_bytes`) over the Muon state shard

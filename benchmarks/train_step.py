@@ -34,11 +34,11 @@ vocabulary), `tiny` and `tiny-moe` (2 layers, width 64: the executed check). Lay
 and "muon bfloat16 exchange" are `mo.muon` with `MeshLayout(exchange_dtype=...)`, the
 matrices and their results moved in that dtype both ways (the default moves float32
 momenta whole and their results back in bfloat16 where the operands are 16-bit);
-"muon no memory cap" is `mo.muon` with
-`MeshLayout(memory=math.inf)`, its Newton–Schulz work not capped at twice the state
-shard. Rows go to --out as JSON lines as they are measured, one per case
-(model, layout, chips, tokens a step) and arm; a row already there is not measured
-again, and each arm is weighed against AdamW's row of its own case.
+"muon no memory cap" is `mo.muon` with `MeshLayout(memory=math.inf)`, its Newton–Schulz
+work not capped at twice the state shard. Rows go to --out as JSON lines as they are
+measured, one per case (model, layout, chips, tokens a step) and arm; a row already
+there is not measured again, and each arm is weighed against AdamW's row of its own
+case.
 
 `--execute` runs the step instead, on 8 simulated CPU devices with float32 compute, for
 each layout and arm, and prints its largest difference from the same steps on one device.
