@@ -2,6 +2,7 @@
 the float64 references and error bounds that Newton–Schulz tolerances come from."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -95,3 +96,10 @@ def compiled_flops(fn, *args) -> float:
   analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
   analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
   return analysis["flops"]
+
+
+def all_to_all_types(lowered_text: str) -> list[str]:
+  """The element types the all-to-alls of a lowered (StableHLO) program move, in program
+  order. Read before compiling: a CPU compile widens 16-bit collectives, the TPU compiler
+  keeps them (see test_tpu_compile)."""
+  return re.findall(r"stablehlo.all_to_all.*-> tensor<[0-9x]*x(\w+)>", lowered_text)

@@ -82,8 +82,8 @@ def param_shardings(params, mesh, kind="fsdp", data_axis="data"):
   return mo.fsdp_shardings(params, mesh, data_axis=data_axis)
 
 
-def compiled_update(tx, params, mesh=None, kind="zero1"):
-  """The compiled update on abstract params: replicated (ZeRO-1) or FSDP on `mesh`."""
+def lowered_update(tx, params, mesh=None, kind="zero1"):
+  """The lowered update on abstract params: replicated (ZeRO-1) or FSDP on `mesh`."""
   if mesh is not None:
     shard = param_shardings(params, mesh, kind)
     params = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
@@ -94,7 +94,12 @@ def compiled_update(tx, params, mesh=None, kind="zero1"):
     step = jax.jit(tx.update, out_shardings=(shard, shardings))
   else:
     state, step = jax.eval_shape(tx.init, params), jax.jit(tx.update)
-  return step.lower(params, state, params).compile()
+  return step.lower(params, state, params)
+
+
+def compiled_update(tx, params, mesh=None, kind="zero1"):
+  """The compiled update on abstract params: replicated (ZeRO-1) or FSDP on `mesh`."""
+  return lowered_update(tx, params, mesh, kind).compile()
 
 
 def compiled_update_text(tx, params, layout, pshard):

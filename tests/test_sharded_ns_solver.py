@@ -3,14 +3,13 @@ simulated devices: the same results as one device, and the flops, bytes, collect
 and memory its compiled programs hold."""
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_trees_close, float32_bound, rel
+from _helpers import all_to_all_types, assert_trees_close, float32_bound, rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sharded_case import (
@@ -19,6 +18,7 @@ from sharded_case import (
   FLOPS_ALONE,
   compiled_update,
   gpt2_small_tree,
+  lowered_update,
   mesh_of,
   optimizer,
   param_shardings,
@@ -375,17 +375,6 @@ def test_fewer_collective_bytes_than_optax_contrib_muon():
   assert sum(n for n, _ in ours.values()) < sum(n for n, _ in theirs.values())
 
 
-def _exchanged_types(tx, params, mesh):
-  """The element types of the all-to-alls in the update's lowered program, in and out (a
-  CPU compile widens 16-bit collectives; the TPU compiler keeps them: see
-  test_tpu_compile)."""
-  shard = param_shardings(params, mesh, "fsdp")
-  params = jax.tree.map(lambda p, h: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=h),
-                        params, shard)
-  text = jax.jit(tx.update).lower(params, jax.eval_shape(tx.init, params), params).as_text()
-  return re.findall(r"stablehlo.all_to_all.*-> tensor<[0-9x]*x(\w+)>", text)
-
-
 @pytest.mark.parametrize("operands, wire, moved", [
     ("float32", None, ["f32", "f32"]),
     # The momenta travel whole (rounding them costs accuracy), the results in bfloat16
@@ -398,7 +387,7 @@ def test_the_exchange_moves_results_in_bfloat16_where_the_operands_are_16_bit(
   mesh, params = mesh_of(), small_tree()
   layout = mo.MeshLayout(mesh, params="sharded", exchanges=1, exchange_dtype=wire)
   tx = mo.muon(0.02, ns=mo.NewtonSchulz(compute_dtype=operands), mesh=layout)
-  assert _exchanged_types(tx, params, mesh) == moved
+  assert all_to_all_types(lowered_update(tx, params, mesh, "fsdp").as_text()) == moved
 
 
 @pytest.mark.parametrize("wire", [None, "bfloat16"])

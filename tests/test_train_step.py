@@ -5,11 +5,11 @@ step has at most AdamW's collectives plus its exchange's, nothing added to forwa
 backward."""
 
 import dataclasses
-import re
 
 import jax
 import numpy as np
 import pytest
+from _helpers import all_to_all_types
 
 from benchmarks import train_step
 from benchmarks.train_step import collectives, init_params, make_mesh, run_steps
@@ -79,7 +79,7 @@ def test_the_exchange_arms_move_the_dtype_they_name(tiny, arm, moved):
   s = train_step.setup(tiny, "fsdp", make_mesh(jax.devices(), "fsdp", tiny), arm, BATCH, SEQ)
   with jax.set_mesh(s.mesh):
     text = jax.jit(s.tx.update).lower(s.params, s.state, s.params).as_text()
-  assert set(re.findall(r"stablehlo.all_to_all.*-> tensor<[0-9x]*x(\w+)>", text)) == moved
+  assert set(all_to_all_types(text)) == moved
 
 
 def test_the_contrib_arm_orthogonalizes_each_layer_of_a_scanned_kernel(tiny):
