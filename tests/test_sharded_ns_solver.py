@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import all_to_all_types, assert_trees_close, float32_bound, rel
+from _helpers import all_to_all_bytes, assert_trees_close, float32_bound, rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sharded_case import (
@@ -30,10 +30,12 @@ from sharded_case import (
 import muon_optax as mo
 from benchmarks.hlo import collective_ops, collective_stats
 from muon_optax._newton_schulz import symmetric
+from muon_optax._newton_schulz.kernel import Kernel
 from muon_optax._newton_schulz.variant import newton_schulz_flops
 from muon_optax._placement.mesh_layout import EXCHANGES
 from muon_optax._sharded_ns.factor_mesh import SHARED_MATRIX_SCOPE
 from muon_optax._sharded_ns.rounds import per_device_flops, plan_rounds
+from muon_optax._sharded_ns.solver import wire_dtypes
 from muon_optax._sharded_ns.split_cost import (
   PRODUCT_CHUNKS,
   WHOLE_PRODUCTS_SHARE,
@@ -375,19 +377,32 @@ def test_fewer_collective_bytes_than_optax_contrib_muon():
   assert sum(n for n, _ in ours.values()) < sum(n for n, _ in theirs.values())
 
 
-@pytest.mark.parametrize("operands, wire, moved", [
-    ("float32", None, ["f32", "f32"]),
+@pytest.mark.parametrize("operands, wire, shares", [
+    ("float32", None, (1, 1)),
     # The momenta travel whole (rounding them costs accuracy), the results in bfloat16
-    # where the operands are 16-bit: bfloat16 for float16 too, whose range would lose
-    # small momenta.
-    ("bfloat16", None, ["f32", "bf16"]), ("float16", None, ["f32", "bf16"]),
-    ("bfloat16", "float32", ["f32", "f32"]), ("float32", "bfloat16", ["bf16", "bf16"])])
+    # where the operands are 16-bit (see wire_dtypes: bfloat16 for float16 operands too).
+    ("bfloat16", None, (1, 0.5)), ("float16", None, (1, 0.5)),
+    ("bfloat16", "float32", (1, 1)), ("float32", "bfloat16", (0.5, 0.5))])
 def test_the_exchange_moves_results_in_bfloat16_where_the_operands_are_16_bit(
-    operands, wire, moved):
+    operands, wire, shares):
   mesh, params = mesh_of(), small_tree()
-  layout = mo.MeshLayout(mesh, params="sharded", exchanges=1, exchange_dtype=wire)
-  tx = mo.muon(0.02, ns=mo.NewtonSchulz(compute_dtype=operands), mesh=layout)
-  assert all_to_all_types(lowered_update(tx, params, mesh, "fsdp").as_text()) == moved
+
+  def moved(wire):
+    layout = mo.MeshLayout(mesh, params="sharded", exchanges=1, exchange_dtype=wire)
+    tx = mo.muon(0.02, ns=mo.NewtonSchulz(compute_dtype=operands), mesh=layout)
+    return all_to_all_bytes(lowered_update(tx, params, mesh, "fsdp").as_text())
+  whole = moved("float32")  # in and out
+  assert len(whole) == 2 and moved(wire) == [s * b for s, b in zip(shares, whole)]
+
+
+@pytest.mark.parametrize("operands, back", [
+    ("float32", None), ("bfloat16", "bfloat16"), ("float16", "bfloat16")])
+def test_results_go_back_in_bfloat16_even_from_float16_operands(operands, back):
+  # float16's range would lose small updates; bfloat16 keeps float32's.
+  kernel = Kernel.of(mo.NewtonSchulz(compute_dtype=operands))
+  layout = mo.MeshLayout(mesh_of(), params="sharded")
+  assert wire_dtypes(kernel, layout, [jnp.float32]) == (None, back and jnp.dtype(back))
+  assert wire_dtypes(kernel, layout, [jnp.bfloat16]) == (None, None)  # nothing to save
 
 
 @pytest.mark.parametrize("wire", [None, "bfloat16"])
