@@ -194,6 +194,29 @@ def test_a_tpu_mesh_sends_its_results_back_in_bfloat16(chips):
   assert sum(n for n, _ in moved[None].values()) == count, moved
 
 
+@pytest.mark.parametrize("types, kind", [
+    (AxisType.Explicit, "fsdp"), (AxisType.Auto, "zero1"), (AxisType.Explicit, "zero1")])
+def test_every_layout_sends_its_results_back_in_bfloat16_on_tpu(chips, types, kind):
+  # The way in as float32 moves it, the way back (FSDP's all-to-all, ZeRO-1's gather of
+  # the results) as bfloat16 both ways moves it; ZeRO-1's AdamW updates stay float32.
+  mesh = Mesh(chips.reshape(8), ("data",), axis_types=(types,))
+  moved = {}
+  for wire in (None, "float32", "bfloat16"):
+    layout = mo.MeshLayout(mesh, params="replicated" if kind == "zero1" else "sharded",
+                           exchanges=1, exchange_dtype=wire)
+    text = compile_update(mo.muon(0.02, mesh=layout), gpt_tree(), mesh, kind).as_text()
+    moved[wire] = collective_stats(text)
+  sent, both = moved["float32"], moved["bfloat16"]
+  if kind == "fsdp":
+    (count, whole), (_, half) = sent["all-to-all"], both["all-to-all"]
+    assert count == 2 and half == whole / 2, moved
+    assert moved[None] == {**sent, "all-to-all": (count, (whole + half) / 2)}, moved
+  else:
+    assert moved[None]["all-to-all"] == sent["all-to-all"], moved
+    assert moved[None]["all-gather"] == both["all-gather"], moved
+    assert both["all-gather"][1] < sent["all-gather"][1], moved
+
+
 def _relaid_collective_outputs(text: str) -> list[str]:
   """The fusions that read one collective's output whole into as many elements: a
   relayout of the whole buffer."""

@@ -5,9 +5,9 @@ a (peers, width) view of them is a relayout of the whole buffer, a copy as large
 exchange on the way in and on the way out. Read row s as `x[s, 0]`.
 
 16-bit rows travel as 32-bit words of two elements (k and k + width/2 of a row): the
-bytes of the 16-bit elements, in the 32-bit tiles the rows are laid out in. The TPU
-compiler took 4-5x as long over Llama-3-8B's update on 8 chips with 16-bit buffers
-(benchmarks/results/exchange_words.txt)."""
+bytes of the 16-bit elements, in 32-bit tiles, which the TPU compiler lays out far
+faster than a 16-bit buffer's, whose tiles pack two rows (the compile times of the
+bfloat16 exchanges in docs/mesh_results.md)."""
 
 from __future__ import annotations
 
