@@ -100,10 +100,9 @@ def compiled_flops(fn, *args) -> float:
 
 
 def all_to_all_bytes(lowered_text: str) -> list[int]:
-  """The bytes each all-to-all of a lowered (StableHLO) program moves into a device, in
-  program order. Read before compiling: a CPU compile widens 16-bit collectives, the TPU
-  compiler keeps them (see test_tpu_compile). 16-bit rows travel as 32-bit words
-  (`peer_rows`), so bytes, not element types, say what moves."""
+  """The bytes each all-to-all of a lowered (StableHLO) program leaves on a device, in
+  program order: bytes, not element types, since 16-bit rows travel as 32-bit words
+  (`peer_rows`)."""
   sizes = {"f32": 4, "ui32": 4, "bf16": 2, "f16": 2}
   return [math.prod(int(d) for d in dims.split("x") if d) * sizes[kind] for dims, kind in
           re.findall(r"stablehlo.all_to_all.*-> tensor<((?:\d+x)*)(\w+)>", lowered_text)]
