@@ -14,9 +14,14 @@ from muon_optax._placement.peer_rows import from_every_peer, to_peers
 N, WIDTH = 8, 5
 
 
-def on_each_device(fn, x):
+def each_device(fn):
+  """`fn` run on each device's block of its argument, jitted."""
   mesh = Mesh(np.asarray(jax.devices()[:N]), ("d",))
-  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+
+def on_each_device(fn, x):
+  return each_device(fn)(x)
 
 
 def test_to_peers_sends_row_q_to_peer_q_in_the_order_of_the_segments():
@@ -36,7 +41,6 @@ def test_from_every_peer_gives_every_device_every_row():
     np.testing.assert_array_equal(got[s, :, 0], x)
 
 
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("width", [1, 6, 7])
 def test_rows_arrive_bit_for_bit_and_16_bit_rows_move_their_own_bytes(dtype, width):
@@ -52,7 +56,6 @@ def test_rows_arrive_bit_for_bit_and_16_bit_rows_move_their_own_bytes(dtype, wid
   gathered = on_each_device(lambda b: from_every_peer(b[0, 0], "d")[None], x)
   for s in range(N):
     np.testing.assert_array_equal(bits(gathered[s, :, 0]), bits(x[:, 0]))
-  text = jax.jit(jax.shard_map(send, mesh=Mesh(np.asarray(jax.devices()[:N]), ("d",)),
-                               in_specs=P("d"), out_specs=P("d"))).lower(x).as_text()
+  text = each_device(send).lower(x).as_text()
   words = width if x.dtype.itemsize == 4 else -(-width // 2)
   assert all_to_all_bytes(text) == [N * words * 4]

@@ -177,28 +177,14 @@ def test_newton_schulz_takes_the_defaults_of_the_mesh_platform(chips):
   assert products and any("bf16" in line for line in products)
 
 
-def test_a_tpu_mesh_sends_its_results_back_in_bfloat16(chips):
-  # The iteration rounds its operands to bfloat16 on a TPU, so its results go back in
-  # it: the same collectives, the way back at half the bytes (the momenta travel whole:
-  # a quarter less in all); exchange_dtype="bfloat16" halves both ways.
-  mesh = Mesh(chips.reshape(8), ("data",), axis_types=(AxisType.Auto,))
-  moved = {}
-  for wire in (None, "float32", "bfloat16"):
-    layout = mo.MeshLayout(mesh, params="sharded", exchanges=1, exchange_dtype=wire)
-    text = compile_update(mo.muon(0.02, mesh=layout), gpt_tree(), mesh, "fsdp").as_text()
-    moved[wire] = collective_stats(text)
-  count, received = moved["float32"]["all-to-all"]
-  assert count == 2 and received > 0, moved  # one in, one out, as large
-  for wire, share in ((None, 0.75), ("bfloat16", 0.5)):
-    assert moved[wire] == {**moved["float32"], "all-to-all": (count, share * received)}, moved
-  assert sum(n for n, _ in moved[None].values()) == count, moved
-
-
 @pytest.mark.parametrize("types, kind", [
-    (AxisType.Explicit, "fsdp"), (AxisType.Auto, "zero1"), (AxisType.Explicit, "zero1")])
-def test_every_layout_sends_its_results_back_in_bfloat16_on_tpu(chips, types, kind):
-  # The way in as float32 moves it, the way back (FSDP's all-to-all, ZeRO-1's gather of
-  # the results) as bfloat16 both ways moves it; ZeRO-1's AdamW updates stay float32.
+    (AxisType.Auto, "fsdp"), (AxisType.Explicit, "fsdp"), (AxisType.Auto, "zero1"),
+    (AxisType.Explicit, "zero1")])
+def test_a_tpu_mesh_sends_its_results_back_in_bfloat16(chips, types, kind):
+  # The iteration rounds its operands to bfloat16 on a TPU, so its results go back in
+  # it: the same collectives, the way back (FSDP's all-to-all, ZeRO-1's gather of the
+  # results) at half the bytes, the momenta whole (FSDP: a quarter less in all);
+  # exchange_dtype="bfloat16" halves both ways. ZeRO-1's AdamW updates stay float32.
   mesh = Mesh(chips.reshape(8), ("data",), axis_types=(types,))
   moved = {}
   for wire in (None, "float32", "bfloat16"):
@@ -208,9 +194,11 @@ def test_every_layout_sends_its_results_back_in_bfloat16_on_tpu(chips, types, ki
     moved[wire] = collective_stats(text)
   sent, both = moved["float32"], moved["bfloat16"]
   if kind == "fsdp":
-    (count, whole), (_, half) = sent["all-to-all"], both["all-to-all"]
-    assert count == 2 and half == whole / 2, moved
-    assert moved[None] == {**sent, "all-to-all": (count, (whole + half) / 2)}, moved
+    count, received = sent["all-to-all"]
+    assert count == 2 and received > 0, moved  # one in, one out, as large
+    for wire, share in ((None, 0.75), ("bfloat16", 0.5)):
+      assert moved[wire] == {**sent, "all-to-all": (count, share * received)}, moved
+    assert sum(n for n, _ in moved[None].values()) == count, moved
   else:
     assert moved[None]["all-to-all"] == sent["all-to-all"], moved
     assert moved[None]["all-gather"] == both["all-gather"], moved
